@@ -1,0 +1,53 @@
+# thrift-sidecar — the whole set-up on a fresh machine is `make demo` and `make test`.
+# Everything heavy is cached outside the repository (pip cache, Go module cache,
+# $(CACHE)); the venv lives in .venv (ignored by git).
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+CACHE  ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/thrift-sidecar
+STAMP  := $(VENV)/.installed
+GEN    := tests/gen
+GOCLIENT := $(CACHE)/bin/sidecar-test-client
+PYTEST_ARGS ?=
+
+.PHONY: demo test deps thrift-compiler gen go-client bench clean
+
+demo: deps
+	$(VENV)/bin/thrift-sidecar demo
+
+test: deps gen go-client
+	SIDECAR_GO_CLIENT=$(GOCLIENT) $(PY) -m pytest $(PYTEST_ARGS)
+
+deps: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+# The Thrift compiler generates the test services' code from IDL (Debian's package).
+thrift-compiler:
+	@command -v thrift >/dev/null 2>&1 || { \
+	  echo "installing Debian's thrift-compiler"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq thrift-compiler; }
+
+gen: thrift-compiler $(GEN)/.stamp
+
+$(GEN)/.stamp: tests/idl/sidecar_test.thrift
+	rm -rf $(GEN) && mkdir -p $(GEN)
+	thrift --gen py -out $(GEN) tests/idl/sidecar_test.thrift
+	touch $@
+
+# A second language's real Thrift client (Go), built into the cache outside the repo.
+go-client: thrift-compiler
+	CACHE=$(CACHE) tests/interop/go/build.sh $(GOCLIENT)
+
+bench: deps
+	bench/run.sh
+
+clean:
+	rm -rf $(VENV) $(GEN) build *.egg-info

@@ -1,0 +1,25 @@
+"""Time sources: the real monotonic clock, and a manual one for policy tests.
+
+Policy objects (retry budget, breaker, balancer) take a clock (a callable
+returning seconds) so tests advance time instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import time
+
+monotonic = time.monotonic
+monotonic_ns = time.monotonic_ns
+
+
+class ManualClock:
+    """A clock that only moves when told to: `clock()` → seconds, `clock.advance(s)`."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds

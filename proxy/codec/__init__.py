@@ -1,0 +1,23 @@
+"""Sans-IO Thrift codec: framing, protocol heads, resumable scanning, encoding.
+
+Public surface:
+    Decoder(framing, protocol, max_frame_size).feed(data) / .next_message()
+    Message (head + untouched wire bytes), Head, ProtocolError
+    reframe(msg, framing, headers), frame_payload(...), exception_reply(head, type, text)
+    Framing, Protocol, MessageType, AppErrorType
+
+No sockets, loop, clock or logging in this package.
+"""
+
+from proxy.codec.decoder import Decoder
+from proxy.codec.errors import Head, ProtocolError
+from proxy.codec.frames import exception_reply, frame_payload, reframe
+from proxy.codec.message import Message
+from proxy.codec.theader import HeaderBlock
+from proxy.codec.wire import DEFAULT_MAX_FRAME_SIZE, AppErrorType, Framing, MessageType, Protocol
+
+__all__ = [
+    "AppErrorType", "DEFAULT_MAX_FRAME_SIZE", "Decoder", "Framing", "Head", "HeaderBlock",
+    "Message", "MessageType", "Protocol", "ProtocolError", "exception_reply", "frame_payload",
+    "reframe",
+]

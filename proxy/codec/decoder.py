@@ -1,0 +1,322 @@
+"""Sans-IO message decoder: `feed(bytes)`, then `next_message()` → Message or None.
+
+No sockets, clock, loop or logging here. One decoder per connection direction.
+Framing and protocol are fixed by config or detected from the first message
+and then kept for the connection.
+
+    framed         [len:i32][message]
+    header         [len:i32][0x0FFF ...header block...][payload]
+    framed_header  [len:i32][len:i32][0x0FFF ...][payload]   (THeader inside a framed frame)
+    buffered       [message]      end found by StructScanner, resuming across reads
+
+`max_frame_size` counts the whole frame after its length prefix and is checked
+from the prefix, before anything is buffered. An unframed message longer than
+it is refused as soon as the scan passes it.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from proxy.codec.errors import Head, ProtocolError
+from proxy.codec.heads import read_head
+from proxy.codec.message import Message
+from proxy.codec.scan import StructScanner
+from proxy.codec.theader import INFLATE_PREFIX, inflate, parse_header_block
+from proxy.codec.wire import (
+    COMPACT_PROTOCOL_ID,
+    COMPACT_VERSION,
+    COMPACT_VERSION_MASK,
+    DEFAULT_MAX_FRAME_SIZE,
+    THEADER_MAGIC,
+    Framing,
+    Protocol,
+)
+
+_I32 = struct.Struct("!i")
+_U16 = struct.Struct("!H")
+
+# Compact the buffer once this many consumed bytes sit in front of it.
+_COMPACT_AT = 64 * 1024
+
+
+class Decoder:
+    """Turns a byte stream into Messages.
+
+    framing/protocol None = detect from the first message. `scanner_factory`
+    builds the unframed-message scanner (pure Python by default).
+    """
+
+    def __init__(self, framing: Framing | None = None, protocol: Protocol | None = None,
+                 max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, scanner_factory=None) -> None:
+        self.framing = framing
+        self.protocol = protocol
+        self.max_frame_size = max_frame_size
+        self._scanner_factory = scanner_factory or StructScanner
+        self._whole: bytes | None = None  # a fed bytes object not yet copied into _buf
+        self._buf = bytearray()
+        self._off = 0
+        self._scanner = None               # StructScanner of the unframed message in progress
+        self._head = None                  # its head (name, type, seqid, body)
+        self.examined = 0                  # bytes looked at by unframed scans (tests bound it)
+
+    # -- input ----------------------------------------------------------------
+
+    def feed(self, data) -> None:
+        if not data:
+            return
+        if self._whole is None and self._off == len(self._buf):
+            if self._buf:
+                self._buf.clear()
+                self._off = 0
+            if isinstance(data, bytes):
+                self._whole = data
+                return
+        if self._whole is not None:
+            self._buf += self._whole
+            self._whole = None
+        self._buf += data
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet returned as messages (a started message)."""
+        if self._whole is not None:
+            return len(self._whole)
+        return len(self._buf) - self._off
+
+    def eof(self) -> None:
+        """The peer closed its side: raise if a message was left half-sent."""
+        n = self.buffered
+        if n:
+            raise ProtocolError(f"bad request: connection closed inside a message ({n} bytes unframed)")
+
+    # -- output ---------------------------------------------------------------
+
+    def next_message(self) -> Message | None:
+        """The next complete message, or None when more bytes are needed."""
+        whole = self._whole
+        if whole is not None:
+            framing = self.framing
+            if framing is Framing.FRAMED or framing is Framing.HEADER:
+                n = len(whole)
+                if n >= 4 and _I32.unpack_from(whole, 0)[0] == n - 4:
+                    # Fast path: the read was exactly one frame; keep the object as is.
+                    self._whole = None
+                    return self._framed(whole, 0, n, framing)
+            self._buf += whole
+            self._whole = None
+        buf = self._buf
+        off = self._off
+        end = len(buf)
+        if off == end:
+            return None
+        if self.framing is None:
+            if not self._detect(buf, off, end):
+                return None
+        framing = self.framing
+        if framing is Framing.BUFFERED:
+            msg = self._unframed(buf, off, end)
+        else:
+            if end - off < 4:
+                return None
+            length = _I32.unpack_from(buf, off)[0]
+            self._check_length(length, buf, off + 4, end)
+            if end - off - 4 < length:
+                return None
+            stop = off + 4 + length
+            data = bytes(buf[off:stop])
+            self._consume(stop)
+            msg = self._framed(data, 0, len(data), framing)
+        return msg
+
+    def _consume(self, stop: int) -> None:
+        if stop >= len(self._buf):
+            self._buf.clear()
+            self._off = 0
+        elif stop > _COMPACT_AT:
+            del self._buf[:stop]
+            self._off = 0
+        else:
+            self._off = stop
+
+    # -- framing detection ----------------------------------------------------
+
+    def _detect(self, buf, off: int, end: int) -> bool:
+        """Fix framing (and protocol, if auto) from the first bytes. False = need more."""
+        if end - off < 2:
+            return False
+        b0, b1 = buf[off], buf[off + 1]
+        if b0 == 0x80 and b1 == 0x01:
+            self._set(Framing.BUFFERED, Protocol.BINARY)
+            return True
+        if b0 == COMPACT_PROTOCOL_ID and (b1 & COMPACT_VERSION_MASK) == COMPACT_VERSION:
+            self._set(Framing.BUFFERED, Protocol.COMPACT)
+            return True
+        if end - off < 6:
+            return False
+        length = _I32.unpack_from(buf, off)[0]
+        if length < 0:
+            raise ProtocolError(f"bad request: cannot detect framing (first word 0x{length & 0xFFFFFFFF:08x})")
+        if _U16.unpack_from(buf, off + 4)[0] == THEADER_MAGIC:
+            self._set(Framing.HEADER, None)
+            return True
+        c0, c1 = buf[off + 4], buf[off + 5]
+        if c0 == 0x80 and c1 == 0x01:
+            self._set(Framing.FRAMED, Protocol.BINARY)
+            return True
+        if c0 == COMPACT_PROTOCOL_ID and (c1 & COMPACT_VERSION_MASK) == COMPACT_VERSION:
+            self._set(Framing.FRAMED, Protocol.COMPACT)
+            return True
+        if end - off < 10:
+            return False
+        if (_U16.unpack_from(buf, off + 8)[0] == THEADER_MAGIC
+                and _I32.unpack_from(buf, off + 4)[0] == length - 4):
+            self._set(Framing.FRAMED_HEADER, None)
+            return True
+        if self.protocol is Protocol.BINARY_NONSTRICT:
+            self._set(Framing.FRAMED, None)
+            return True
+        raise ProtocolError("bad request: cannot detect framing and protocol from the first bytes "
+                            f"({bytes(buf[off:off + 10]).hex()})")
+
+    def _set(self, framing: Framing, protocol: Protocol | None) -> None:
+        self.framing = framing
+        if self.protocol is None and protocol is not None:
+            self.protocol = protocol
+
+    # -- framed and THeader ---------------------------------------------------
+
+    def _check_length(self, length: int, buf, start: int, end: int) -> None:
+        if 0 < length <= self.max_frame_size:
+            return
+        head = self._peek_head(buf, start, end)
+        if length <= 0:
+            raise ProtocolError(f"bad request: invalid frame length {length}", head=head)
+        raise ProtocolError(
+            f"bad request: frame of {length} bytes exceeds max_frame_size {self.max_frame_size}",
+            head=head)
+
+    def _peek_head(self, buf, start: int, end: int) -> Head | None:
+        """Best effort: the head of a message we refuse, to address the error reply."""
+        protocol = self.protocol
+        framing = self.framing or Framing.FRAMED
+        if framing.is_header or protocol is None:
+            if end - start >= 2 and buf[start] == COMPACT_PROTOCOL_ID:
+                protocol = Protocol.COMPACT
+            elif end - start >= 2 and buf[start] == 0x80:
+                protocol = Protocol.BINARY
+            else:
+                return None
+        try:
+            r = read_head(buf, start, end, protocol)
+        except ProtocolError:
+            return None
+        if r is None:
+            return None
+        return Head(r[0], r[1], r[2], framing, protocol)
+
+    def _framed(self, data, off: int, end: int, framing: Framing) -> Message:
+        """A complete frame data[off:end] (length prefix included)."""
+        start = off + 4
+        if framing is Framing.FRAMED:
+            protocol = self._frame_protocol(data, start, end)
+            return self._message(data, start, end, framing, protocol, None, data, start)
+        if framing is Framing.FRAMED_HEADER:
+            if end - start < 4 or _I32.unpack_from(data, start)[0] != end - start - 4:
+                raise ProtocolError("bad request: framed THeader: inner length does not match the frame")
+            start += 4
+        block, payload = parse_header_block(data, start, end, framing)
+        protocol = block.protocol
+        if self.protocol is None:
+            self.protocol = protocol
+        elif self.protocol is not protocol and not (
+                self.protocol is Protocol.BINARY_NONSTRICT and protocol is Protocol.BINARY):
+            raise ProtocolError(
+                f"bad request: THeader protocol {protocol.value} but {self.protocol.value} is configured",
+                head=Head("", 1, block.seqid, framing, protocol))
+        if self.protocol is Protocol.BINARY_NONSTRICT:
+            protocol = Protocol.BINARY_NONSTRICT
+        if block.transforms:
+            readable = inflate(memoryview(data)[payload:end], block.transforms, INFLATE_PREFIX)
+            msg = self._message(readable, 0, len(readable), framing, protocol, block, data, payload,
+                                prefix_only=True)
+        else:
+            msg = self._message(data, payload, end, framing, protocol, block, data, payload)
+        return msg
+
+    def _frame_protocol(self, data, start: int, end: int) -> Protocol:
+        protocol = self.protocol
+        if protocol is not None:
+            return protocol
+        if end - start >= 2:
+            b0, b1 = data[start], data[start + 1]
+            if b0 == 0x80 and b1 == 0x01:
+                protocol = Protocol.BINARY
+            elif b0 == COMPACT_PROTOCOL_ID and (b1 & COMPACT_VERSION_MASK) == COMPACT_VERSION:
+                protocol = Protocol.COMPACT
+        if protocol is None:
+            raise ProtocolError(f"bad request: cannot detect the protocol ({bytes(data[start:start + 4]).hex()})")
+        self.protocol = protocol
+        return protocol
+
+    def _message(self, readable, start: int, end: int, framing: Framing, protocol: Protocol,
+                 block, data, data_start: int, prefix_only: bool = False) -> Message:
+        r = read_head(readable, start, end, protocol)
+        if r is None:
+            if prefix_only:
+                raise ProtocolError("bad request: message head beyond the inflated prefix")
+            raise ProtocolError("bad request: message truncated inside its head "
+                                "(a string length beyond the frame?)")
+        name, mtype, seqid, body = r
+        if body >= end and not prefix_only:
+            raise ProtocolError("bad request: message has no body", head=Head(name, mtype, seqid, framing, protocol))
+        if block is not None and block.seqid != seqid:
+            # Apache Thrift keeps both equal; the payload's seqid is the one clients check.
+            pass
+        return Message(name, mtype, seqid, framing, protocol, data, data_start, block, readable, body)
+
+    # -- unframed -------------------------------------------------------------
+
+    def _unframed(self, buf, off: int, end: int) -> Message | None:
+        protocol = self.protocol
+        if protocol is None:
+            raise AssertionError("unframed decoding needs a protocol")  # _detect sets it
+        head = self._head
+        if head is None:
+            r = read_head(buf, off, end, protocol)
+            if r is None:
+                if end - off > self.max_frame_size:
+                    raise ProtocolError(
+                        f"bad request: message exceeds max_frame_size {self.max_frame_size}")
+                return None
+            name, mtype, seqid, body = r
+            self._head = head = (name, mtype, seqid, body - off)
+            self._scanner = self._scanner_factory(protocol is Protocol.COMPACT, body)
+        scanner = self._scanner
+        try:
+            done = scanner.advance(buf, end)
+        except ProtocolError as e:
+            raise e.with_head(Head(head[0], head[1], head[2], Framing.BUFFERED, protocol))
+        finally:
+            self.examined += scanner.examined
+            scanner.examined = 0
+        if not done:
+            if scanner.pos - off > self.max_frame_size:
+                raise ProtocolError(
+                    f"bad request: message exceeds max_frame_size {self.max_frame_size}",
+                    head=Head(head[0], head[1], head[2], Framing.BUFFERED, protocol))
+            if off and scanner.pos == end and off > _COMPACT_AT:
+                # Keep the buffer from growing behind a long message: rebase positions.
+                del buf[:off]
+                scanner.pos -= off
+                self._off = 0
+            return None
+        stop = scanner.pos
+        if stop - off > self.max_frame_size:
+            raise ProtocolError(f"bad request: message exceeds max_frame_size {self.max_frame_size}",
+                                head=Head(head[0], head[1], head[2], Framing.BUFFERED, protocol))
+        data = bytes(buf[off:stop])
+        self._consume(stop)
+        self._head = None
+        self._scanner = None
+        return Message(head[0], head[1], head[2], Framing.BUFFERED, protocol, data, 0, None, data, head[3])

@@ -1,0 +1,51 @@
+"""The codec's one error kind: the peer sent bytes we cannot accept.
+
+A `ProtocolError` carries what to answer: the TApplicationException type and
+message, the message head when it could be read (so the reply carries the
+client's seqid and method), and whether the stream is broken (then the
+connection closes after the reply). Anything else raised from the codec is a
+bug in the proxy and must be loud.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proxy.codec.wire import AppErrorType, Framing, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """Just enough of a message to address a reply to it."""
+
+    name: str
+    type: int
+    seqid: int
+    framing: Framing
+    protocol: Protocol
+
+
+class ProtocolError(Exception):
+    """The peer's bytes are not a message we accept."""
+
+    def __init__(
+        self,
+        message: str,
+        app_type: AppErrorType = AppErrorType.PROTOCOL_ERROR,
+        *,
+        head: Head | None = None,
+        close: bool = True,
+        header_protocol: Protocol | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.app_type = app_type
+        self.head = head
+        self.close = close
+        # For errors before a head could be read: the framing/protocol, if known.
+        self.header_protocol = header_protocol
+
+    def with_head(self, head: Head | None) -> "ProtocolError":
+        if head is not None and self.head is None:
+            self.head = head
+        return self

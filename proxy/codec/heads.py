@@ -1,0 +1,214 @@
+"""Message heads: decode (name, type, seqid) per protocol, encode replies, peek outcomes.
+
+Only the head is decoded; the body stays bytes. `read_head` works on a
+complete protocol message (framed or header payload) or on the start of an
+unframed one; it returns `None` when more bytes are needed.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from proxy.codec.errors import ProtocolError
+from proxy.codec.wire import (
+    BINARY_VERSION_1,
+    BINARY_VERSION_MASK,
+    COMPACT_PROTOCOL_ID,
+    COMPACT_TYPE_SHIFT,
+    COMPACT_VERSION,
+    COMPACT_VERSION_MASK,
+    C_STOP,
+    MessageType,
+    Protocol,
+    T_I32,
+    T_STOP,
+    T_STRING,
+)
+
+_I32 = struct.Struct("!i")
+_U32 = struct.Struct("!I")
+_I16 = struct.Struct("!h")
+
+# Method names longer than this are refused: real names are short, and a bogus
+# length must not make us wait for megabytes of an unframed stream.
+MAX_NAME_LENGTH = 64 * 1024
+
+
+def read_varint(buf, pos: int, end: int) -> tuple[int, int] | None:
+    """Unsigned LEB128 varint of at most 10 bytes; None when incomplete."""
+    result = 0
+    shift = 0
+    while pos < end:
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+        if shift >= 70:
+            raise ProtocolError("bad request: varint longer than 10 bytes")
+    return None
+
+
+def write_varint(out: bytearray, n: int) -> None:
+    n &= 0xFFFFFFFFFFFFFFFF
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+
+
+def _signed32(n: int) -> int:
+    n &= 0xFFFFFFFF
+    return n - 0x100000000 if n & 0x80000000 else n
+
+
+def _check_type(mtype: int) -> None:
+    if mtype < MessageType.CALL or mtype > MessageType.ONEWAY:
+        raise ProtocolError(f"bad request: invalid message type {mtype}")
+
+
+def _decode_name(raw) -> str:
+    return bytes(raw).decode("utf-8", "replace")
+
+
+def read_head(buf, pos: int, end: int, protocol: Protocol):
+    """Decode a message head at buf[pos:end].
+
+    Returns (name, type, seqid, body_offset) or None when more bytes are needed.
+    Raises ProtocolError for bytes that cannot be a message head.
+    """
+    if protocol is Protocol.COMPACT:
+        return _read_compact_head(buf, pos, end)
+    return _read_binary_head(buf, pos, end, protocol is Protocol.BINARY_NONSTRICT)
+
+
+def _read_binary_head(buf, pos: int, end: int, nonstrict_ok: bool):
+    if end - pos < 4:
+        return None
+    first = _I32.unpack_from(buf, pos)[0]
+    if first < 0:
+        if (first & BINARY_VERSION_MASK & 0xFFFFFFFF) != BINARY_VERSION_1:
+            raise ProtocolError(f"bad request: bad binary protocol version 0x{first & 0xFFFFFFFF:08x}")
+        mtype = first & 0xFF
+        _check_type(mtype)
+        if end - pos < 8:
+            return None
+        nlen = _I32.unpack_from(buf, pos + 4)[0]
+        if nlen < 0 or nlen > MAX_NAME_LENGTH:
+            raise ProtocolError(f"bad request: bad method name length {nlen}")
+        need = pos + 8 + nlen + 4
+        if end < need:
+            return None
+        name = _decode_name(buf[pos + 8:pos + 8 + nlen])
+        seqid = _I32.unpack_from(buf, pos + 8 + nlen)[0]
+        return name, mtype, seqid, need
+    if not nonstrict_ok:
+        raise ProtocolError(
+            f"bad request: bad binary protocol version 0x{first & 0xFFFFFFFF:08x} "
+            "(an unversioned message needs protocol binary_nonstrict)")
+    nlen = first
+    if nlen > MAX_NAME_LENGTH:
+        raise ProtocolError(f"bad request: bad method name length {nlen}")
+    need = pos + 4 + nlen + 1 + 4
+    if end < need:
+        return None
+    name = _decode_name(buf[pos + 4:pos + 4 + nlen])
+    mtype = buf[pos + 4 + nlen]
+    _check_type(mtype)
+    seqid = _I32.unpack_from(buf, pos + 5 + nlen)[0]
+    return name, mtype, seqid, need
+
+
+def _read_compact_head(buf, pos: int, end: int):
+    if end - pos < 2:
+        return None
+    if buf[pos] != COMPACT_PROTOCOL_ID:
+        raise ProtocolError(f"bad request: bad compact protocol id 0x{buf[pos]:02x}")
+    vt = buf[pos + 1]
+    if vt & COMPACT_VERSION_MASK != COMPACT_VERSION:
+        raise ProtocolError(f"bad request: bad compact protocol version {vt & COMPACT_VERSION_MASK}")
+    mtype = (vt >> COMPACT_TYPE_SHIFT) & 0x07
+    _check_type(mtype)
+    r = read_varint(buf, pos + 2, end)
+    if r is None:
+        return None
+    seqid, p = r
+    r = read_varint(buf, p, end)
+    if r is None:
+        return None
+    nlen, p = r
+    if nlen > MAX_NAME_LENGTH:
+        raise ProtocolError(f"bad request: bad method name length {nlen}")
+    if end < p + nlen:
+        return None
+    name = _decode_name(buf[p:p + nlen])
+    return name, mtype, _signed32(seqid), p + nlen
+
+
+def encode_head(name: str, mtype: int, seqid: int, protocol: Protocol) -> bytearray:
+    raw = name.encode("utf-8")
+    out = bytearray()
+    if protocol is Protocol.COMPACT:
+        out.append(COMPACT_PROTOCOL_ID)
+        out.append(COMPACT_VERSION | ((mtype & 0x07) << COMPACT_TYPE_SHIFT))
+        write_varint(out, seqid & 0xFFFFFFFF)
+        write_varint(out, len(raw))
+        out += raw
+    elif protocol is Protocol.BINARY_NONSTRICT:
+        out += _I32.pack(len(raw)) + raw + bytes((mtype,)) + _I32.pack(seqid)
+    else:
+        out += _U32.pack(BINARY_VERSION_1 | mtype) + _I32.pack(len(raw)) + raw + _I32.pack(seqid)
+    return out
+
+
+def encode_application_exception(name: str, seqid: int, protocol: Protocol,
+                                 app_type: int, message: str) -> bytes:
+    """A complete EXCEPTION message (no framing) carrying a TApplicationException."""
+    out = encode_head(name, MessageType.EXCEPTION, seqid, protocol)
+    text = message.encode("utf-8")
+    if protocol is Protocol.COMPACT:
+        # field 1 (string, delta 1), field 2 (i32, delta 1), stop
+        out.append((1 << 4) | 8)
+        write_varint(out, len(text))
+        out += text
+        out.append((1 << 4) | 5)
+        write_varint(out, _zigzag32(app_type))
+        out.append(C_STOP)
+    else:
+        out += bytes((T_STRING,)) + _I16.pack(1) + _I32.pack(len(text)) + text
+        out += bytes((T_I32,)) + _I16.pack(2) + _I32.pack(app_type)
+        out.append(T_STOP)
+    return bytes(out)
+
+
+def _zigzag32(n: int) -> int:
+    return ((n << 1) ^ (n >> 31)) & 0xFFFFFFFF
+
+
+def peek_result_field(buf, body: int, end: int, protocol: Protocol) -> int | None:
+    """The id of the first field of a reply's result struct.
+
+    None = STOP (a void success); 0 = success; >= 1 = a declared exception.
+    Only the first field header is read. Raises ProtocolError on garbage.
+    """
+    if body >= end:
+        raise ProtocolError("bad reply: result struct missing")
+    if protocol is Protocol.COMPACT:
+        b = buf[body]
+        if b == C_STOP:
+            return None
+        delta = b >> 4
+        if delta:
+            return delta
+        r = read_varint(buf, body + 1, end)
+        if r is None:
+            raise ProtocolError("bad reply: truncated result field header")
+        z = r[0]
+        return (z >> 1) ^ -(z & 1)
+    b = buf[body]
+    if b == T_STOP:
+        return None
+    if end - body < 3:
+        raise ProtocolError("bad reply: truncated result field header")
+    return _I16.unpack_from(buf, body + 1)[0]

@@ -1,0 +1,171 @@
+"""THeader frames: parse the header block, re-encode it around an untouched payload.
+
+Layout after the i32 length prefix:
+    magic 0x0FFF (u16) | flags (u16) | seqid (i32) | header size / 4 (u16)
+    header block: protocol id (varint), transform count (varint), transform ids,
+                  info headers (type 1 = key/value: count, then varint-length strings),
+                  zero padding to a multiple of 4
+    payload: the protocol message, possibly zlib-deflated (transform 1)
+
+The payload is never rewritten: adding headers (trace context, a reduced
+deadline) re-encodes only the block before it.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass, field
+
+from proxy.codec.errors import Head, ProtocolError
+from proxy.codec.heads import read_varint, write_varint
+from proxy.codec.wire import (
+    THEADER_FIXED_SIZE,
+    THEADER_INFO_KEYVALUE,
+    THEADER_MAGIC,
+    THEADER_PROTOCOL_BINARY,
+    THEADER_PROTOCOL_COMPACT,
+    THEADER_TRANSFORM_ZLIB,
+    AppErrorType,
+    Framing,
+    Protocol,
+)
+
+_HDR_FIXED = struct.Struct("!HHiH")
+_I32 = struct.Struct("!i")
+
+SUPPORTED_TRANSFORMS = frozenset((THEADER_TRANSFORM_ZLIB,))
+# How much of a deflated payload is inflated to read its head (and a reply's first field).
+INFLATE_PREFIX = 64 * 1024 + 64
+
+
+@dataclass(slots=True)
+class HeaderBlock:
+    """What a THeader frame says besides its payload."""
+
+    flags: int
+    seqid: int
+    protocol_id: int
+    transforms: tuple[int, ...]
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def protocol(self) -> Protocol:
+        return Protocol.COMPACT if self.protocol_id == THEADER_PROTOCOL_COMPACT else Protocol.BINARY
+
+
+def parse_header_block(buf, start: int, end: int, framing: Framing) -> tuple[HeaderBlock, int]:
+    """Parse buf[start:end], the bytes after a THeader frame's length prefix.
+
+    Returns the block and the offset of the payload. Raises ProtocolError.
+    """
+    if end - start < THEADER_FIXED_SIZE:
+        raise ProtocolError("bad request: THeader frame shorter than its fixed header")
+    magic, flags, seqid, words = _HDR_FIXED.unpack_from(buf, start)
+    if magic != THEADER_MAGIC:
+        raise ProtocolError(f"bad request: bad THeader magic 0x{magic:04x}")
+    hstart = start + THEADER_FIXED_SIZE
+    hend = hstart + words * 4
+    if hend > end:
+        raise ProtocolError(f"bad request: THeader header size {words * 4} beyond the frame")
+    try:
+        pid, p = _varint(buf, hstart, hend)
+        count, p = _varint(buf, p, hend)
+        transforms = []
+        for _ in range(count):
+            t, p = _varint(buf, p, hend)
+            transforms.append(t)
+        headers: dict[str, str] = {}
+        while p < hend:
+            info, p = _varint(buf, p, hend)
+            if info != THEADER_INFO_KEYVALUE:
+                break  # padding (0) or an info type we do not read
+            n, p = _varint(buf, p, hend)
+            for _ in range(n):
+                k, p = _string(buf, p, hend)
+                v, p = _string(buf, p, hend)
+                headers[k] = v
+    except ProtocolError as e:
+        raise e.with_head(Head("", 1, seqid, framing, Protocol.BINARY))
+    if pid not in (THEADER_PROTOCOL_BINARY, THEADER_PROTOCOL_COMPACT):
+        raise ProtocolError(f"bad request: unsupported THeader protocol id {pid}",
+                            head=Head("", 1, seqid, framing, Protocol.BINARY))
+    block = HeaderBlock(flags, seqid, pid, tuple(transforms), headers)
+    unknown = [t for t in transforms if t not in SUPPORTED_TRANSFORMS]
+    if unknown:
+        raise ProtocolError(
+            f"bad request: unknown THeader transform {unknown[0]} (only zlib is supported)",
+            AppErrorType.INVALID_TRANSFORM,
+            head=Head("", 1, seqid, framing, block.protocol),
+            close=False,
+        )
+    return block, hend
+
+
+def _varint(buf, p: int, end: int) -> tuple[int, int]:
+    r = read_varint(buf, p, end)
+    if r is None:
+        raise ProtocolError("bad request: truncated THeader header block")
+    return r
+
+
+def _string(buf, p: int, end: int) -> tuple[str, int]:
+    n, p = _varint(buf, p, end)
+    if p + n > end:
+        raise ProtocolError("bad request: THeader header string beyond the header block")
+    return bytes(buf[p:p + n]).decode("utf-8", "replace"), p + n
+
+
+def inflate(payload, transforms: tuple[int, ...], limit: int) -> bytes:
+    """Undo the payload's transforms (zlib), producing at most `limit` bytes.
+
+    With a limit below the full size this is a prefix: enough to read a head.
+    """
+    data = bytes(payload)
+    for t in reversed(transforms):
+        if t == THEADER_TRANSFORM_ZLIB:
+            try:
+                d = zlib.decompressobj()
+                data = d.decompress(data, limit)
+            except zlib.error as e:
+                raise ProtocolError(f"bad request: zlib payload does not inflate: {e}") from None
+    return data
+
+
+def inflate_all(payload, transforms: tuple[int, ...], max_size: int) -> bytes:
+    data = inflate(payload, transforms, max_size + 1)
+    if len(data) > max_size:
+        raise ProtocolError(f"bad request: inflated payload exceeds {max_size} bytes")
+    return data
+
+
+def encode_header_block(block: HeaderBlock, headers: dict[str, str] | None = None) -> bytes:
+    """The fixed part and the header block (no length prefix), for a payload to follow."""
+    out = bytearray()
+    write_varint(out, block.protocol_id)
+    write_varint(out, len(block.transforms))
+    for t in block.transforms:
+        write_varint(out, t)
+    hdrs = block.headers if headers is None else headers
+    if hdrs:
+        write_varint(out, THEADER_INFO_KEYVALUE)
+        write_varint(out, len(hdrs))
+        for k, v in hdrs.items():
+            kb = k.encode("utf-8")
+            vb = v.encode("utf-8")
+            write_varint(out, len(kb))
+            out += kb
+            write_varint(out, len(vb))
+            out += vb
+    pad = (-len(out)) % 4
+    out += b"\x00" * pad
+    words = len(out) // 4
+    if words > 0xFFFF:
+        raise ValueError("THeader header block too large")
+    return _HDR_FIXED.pack(THEADER_MAGIC, block.flags, block.seqid, words) + bytes(out)
+
+
+def encode_header_frame(block: HeaderBlock, payload, headers: dict[str, str] | None = None) -> bytes:
+    """A whole THeader frame: length prefix, header block, the payload as given."""
+    head = encode_header_block(block, headers)
+    return _I32.pack(len(head) + len(payload)) + head + bytes(payload)

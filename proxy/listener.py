@@ -1,0 +1,280 @@
+"""Client connections: frame requests, hand them to the pipeline, answer in request order.
+
+One `ClientConnection` (an asyncio.Protocol) per accepted socket. Requests
+may be pipelined; replies go back in request order. Bounded in-flight per
+connection: reading pauses while `max_inflight` calls are open or while the
+client is not reading its replies (the transport asked us to pause writing).
+
+Timers are `loop.call_at` handles, armed only when needed: the request read
+deadline once a request has started, the idle deadline when nothing is open.
+A peer's malformed bytes get a PROTOCOL_ERROR reply and a lingering close, so
+the client can read the reply before the socket goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from dataclasses import dataclass
+from time import monotonic_ns
+
+from proxy.codec import AppErrorType, Decoder, Framing, Head, MessageType, Protocol, ProtocolError, exception_reply
+from proxy.pipeline import PREFIX, Call
+from proxy.sockets import set_nodelay
+
+log = logging.getLogger(__name__)
+
+LINGER = 2.0  # seconds a closing connection keeps reading (and discarding) so its reply is read
+
+
+@dataclass(frozen=True, slots=True)
+class ListenerSettings:
+    name: str
+    framing: Framing | None        # None = detect per connection
+    protocol: Protocol | None      # None = detect per connection
+    max_frame_size: int = 16_384_000
+    max_connections: int = 10_000
+    request_read_timeout: float = 30.0
+    idle_timeout: float = 0.0
+    max_inflight: int = 128        # open calls per client connection before reading pauses
+
+
+class ListenerState:
+    """What all connections of one listener share: settings, pipeline, counters."""
+
+    def __init__(self, settings: ListenerSettings, pipeline, loop: asyncio.AbstractEventLoop) -> None:
+        self.settings = settings
+        self.pipeline = pipeline
+        self.loop = loop
+        self.connections: set[ClientConnection] = set()
+        self.stats = {"accepted": 0, "refused": 0, "protocol_errors": 0, "read_timeouts": 0,
+                      "idle_closed": 0}
+
+    def protocol_factory(self) -> "ClientConnection":
+        return ClientConnection(self)
+
+
+class ClientConnection(asyncio.Protocol):
+    __slots__ = ("state", "pipeline", "transport", "decoder", "queue", "peer", "t_first",
+                 "closing", "paused_reading", "paused_writing", "_read_timer", "_idle_timer",
+                 "_last_active", "_linger")
+
+    def __init__(self, state: ListenerState) -> None:
+        self.state = state
+        self.pipeline = state.pipeline
+        s = state.settings
+        self.transport = None
+        self.decoder = Decoder(s.framing, s.protocol, s.max_frame_size)
+        self.queue: deque[Call] = deque()
+        self.peer = None
+        self.t_first = 0
+        self.closing = False
+        self.paused_reading = False
+        self.paused_writing = False
+        self._read_timer = None
+        self._idle_timer = None
+        self._last_active = 0
+        self._linger = None
+
+    # -- asyncio.Protocol -----------------------------------------------------
+
+    def connection_made(self, transport) -> None:
+        state = self.state
+        self.transport = transport
+        if len(state.connections) >= state.settings.max_connections:
+            state.stats["refused"] += 1
+            self.closing = True
+            transport.abort()
+            return
+        state.connections.add(self)
+        state.stats["accepted"] += 1
+        set_nodelay(transport.get_extra_info("socket"))
+        self.peer = transport.get_extra_info("peername")
+        if state.settings.idle_timeout > 0:
+            self._last_active = monotonic_ns()
+            self._arm_idle()
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing:
+            return  # lingering: read and discard
+        now = monotonic_ns()
+        dec = self.decoder
+        if not dec.buffered:
+            self.t_first = now
+        dec.feed(data)
+        pipeline = self.pipeline
+        while True:
+            try:
+                msg = dec.next_message()
+            except ProtocolError as e:
+                self._protocol_error(e)
+                return
+            if msg is None:
+                break
+            t_start = self.t_first
+            self.t_first = now
+            if msg.type != MessageType.CALL and msg.type != MessageType.ONEWAY:
+                self._protocol_error(ProtocolError(
+                    f"bad request: message type {msg.type} from a client (expected CALL or ONEWAY)",
+                    head=msg.head))
+                return
+            pipeline.handle(self, msg, t_start, now)
+            if self.closing:
+                return
+        if dec.buffered:
+            if self._read_timer is None:
+                self._arm_read_timer(self.t_first)
+        elif self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+        if self._idle_timer is not None:
+            self._last_active = now
+        if len(self.queue) >= self.state.settings.max_inflight and not self.paused_reading:
+            self.paused_reading = True
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        if self.closing:
+            return False
+        try:
+            self.decoder.eof()
+        except ProtocolError as e:
+            log.info("client %s closed inside a request: %s", self.peer, e.message)
+        # Half-closed: answer what is open, then close.
+        if not self.queue:
+            return False
+        self.closing = True
+        return True
+
+    def connection_lost(self, exc) -> None:
+        self.closing = True
+        self.state.connections.discard(self)
+        for t in (self._read_timer, self._idle_timer, self._linger):
+            if t is not None:
+                t.cancel()
+        pipeline = self.pipeline
+        for call in self.queue:
+            pipeline.cancel(call)
+        self.queue.clear()
+
+    def pause_writing(self) -> None:
+        self.paused_writing = True
+        if not self.paused_reading and not self.closing:
+            self.paused_reading = True
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.paused_writing = False
+        self._maybe_resume()
+
+    # -- calls ------------------------------------------------------------------
+
+    def enqueue(self, call: Call) -> None:
+        self.queue.append(call)
+
+    def call_done(self, call: Call) -> None:
+        """A call has its reply: write every reply that is now first in line."""
+        q = self.queue
+        if not q or q[0] is not call:
+            if call.cancelled or self.transport is None:
+                return
+            return  # an earlier call is still open: this reply waits its turn (the `queued` hop)
+        write = self.transport.write
+        while q and q[0].reply is not None:
+            c = q.popleft()
+            write(c.reply)
+            c.t_handed = monotonic_ns()
+        if self.closing:
+            if not q:
+                self._close_after_replies()
+            return
+        if self.paused_reading:
+            self._maybe_resume()
+
+    def _maybe_resume(self) -> None:
+        if (self.paused_reading and not self.paused_writing and not self.closing
+                and len(self.queue) < self.state.settings.max_inflight):
+            self.paused_reading = False
+            self.transport.resume_reading()
+
+    # -- errors and closing ------------------------------------------------------
+
+    def _protocol_error(self, e: ProtocolError) -> None:
+        self.state.stats["protocol_errors"] += 1
+        dec = self.decoder
+        head = e.head
+        if head is None and dec.framing is not None and dec.protocol is not None:
+            head = Head("", MessageType.CALL, 0, dec.framing, dec.protocol)
+        log.info("client %s on listener %s: %s", self.peer, self.state.settings.name, e.message)
+        if head is not None and head.type != MessageType.ONEWAY:
+            err = Call(self, None, self.t_first, monotonic_ns())
+            err.error = e.message
+            err.reply = exception_reply(head, e.app_type, PREFIX + e.message)
+            self.queue.append(err)
+        if e.close:
+            self.closing = True
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+                self._read_timer = None
+        if self.queue and self.queue[0].reply is not None:
+            self.call_done(self.queue[0])
+        elif self.closing and not self.queue:
+            self._close_after_replies()
+
+    def _close_after_replies(self) -> None:
+        """Lingering close: send FIN after the replies, keep reading, then close."""
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        if self.paused_reading:
+            self.paused_reading = False
+            t.resume_reading()
+        try:
+            if t.can_write_eof():
+                t.write_eof()
+        except OSError:
+            pass
+        if self._linger is None:
+            self._linger = self.state.loop.call_later(LINGER, t.close)
+
+    # -- timers -----------------------------------------------------------------
+
+    def _arm_read_timer(self, t_first: int) -> None:
+        timeout = self.state.settings.request_read_timeout
+        if timeout <= 0:
+            return
+        loop = self.state.loop
+        self._read_timer = loop.call_at(loop.time() + timeout - (monotonic_ns() - t_first) / 1e9,
+                                        self._read_timeout, t_first)
+
+    def _read_timeout(self, t_first: int) -> None:
+        self._read_timer = None
+        if self.closing or not self.decoder.buffered:
+            return
+        if self.t_first != t_first:  # another request started since: re-arm for it
+            self._arm_read_timer(self.t_first)
+            return
+        self.state.stats["read_timeouts"] += 1
+        timeout = self.state.settings.request_read_timeout
+        self._protocol_error(ProtocolError(
+            f"bad request: request not complete within request_read_timeout {timeout:g}s "
+            f"({self.decoder.buffered} bytes received)"))
+
+    def _arm_idle(self) -> None:
+        loop = self.state.loop
+        self._idle_timer = loop.call_later(self.state.settings.idle_timeout, self._idle_check)
+
+    def _idle_check(self) -> None:
+        self._idle_timer = None
+        if self.closing:
+            return
+        idle = self.state.settings.idle_timeout
+        quiet = (monotonic_ns() - self._last_active) / 1e9
+        if not self.queue and not self.decoder.buffered and quiet >= idle:
+            self.state.stats["idle_closed"] += 1
+            self.closing = True
+            self.transport.close()
+            return
+        loop = self.state.loop
+        self._idle_timer = loop.call_later(max(idle - quiet, 0.01), self._idle_check)

@@ -1,0 +1,215 @@
+"""Upstream connection pool per (endpoint, framing, protocol, TLS): the `acquire` hop.
+
+LIFO idle list (the warmest connection first; the coldest age out), a bound on
+open connections, waiters served in order with an acquire deadline, a connect
+deadline, idle eviction. Acquiring is a plain call on the hot path: an idle
+connection is returned at once; only a new connection (a connect, amortised
+over many calls) or a full pool makes the caller wait for a callback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl as ssl_mod
+from collections import deque
+from dataclasses import dataclass
+from time import monotonic
+
+from proxy.codec import Framing, Protocol
+from proxy.upstream import UpstreamConnection, UpstreamError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSettings:
+    max_connections: int = 64
+    idle_timeout: float = 30.0
+    acquire_timeout: float = 1.0
+    connect_timeout: float = 0.25
+    max_reply_size: int = 16_384_000
+
+
+class Waiter:
+    """A caller waiting for a connection: `callback(conn, error)` runs once."""
+
+    __slots__ = ("callback", "timer", "done")
+
+    def __init__(self, callback) -> None:
+        self.callback = callback
+        self.timer: asyncio.TimerHandle | None = None
+        self.done = False
+
+    def cancel(self) -> None:
+        self.done = True
+        if self.timer is not None:
+            self.timer.cancel()
+
+    def fire(self, conn, error) -> bool:
+        if self.done:
+            return False
+        self.done = True
+        if self.timer is not None:
+            self.timer.cancel()
+        self.callback(conn, error)
+        return True
+
+
+class Pool:
+    def __init__(self, loop: asyncio.AbstractEventLoop, host: str, port: int, framing: Framing,
+                 protocol: Protocol, settings: PoolSettings, ssl: ssl_mod.SSLContext | None = None,
+                 server_hostname: str | None = None) -> None:
+        self.loop = loop
+        self.host = host
+        self.port = port
+        self.framing = framing
+        self.protocol = protocol
+        self.settings = settings
+        self.ssl = ssl
+        self.server_hostname = server_hostname
+        self.label = f"{host}:{port}"
+        self.idle: list[UpstreamConnection] = []
+        self.open = 0            # connections open or connecting
+        self.connecting = 0
+        self.waiters: deque[Waiter] = deque()
+        self.closed = False
+        self._sweep: asyncio.TimerHandle | None = None
+        self.stats = {"connects": 0, "connect_failures": 0, "acquire_timeouts": 0, "evicted": 0}
+
+    # -- the acquire hop ------------------------------------------------------
+
+    def try_acquire(self) -> UpstreamConnection | None:
+        """An idle connection, or None (then call `acquire`)."""
+        idle = self.idle
+        while idle:
+            conn = idle.pop()
+            if not conn.closed:
+                return conn
+        return None
+
+    def acquire(self, callback) -> Waiter:
+        """Arrange `callback(conn, error)`: a new connection, or the next one released."""
+        w = Waiter(callback)
+        if self.closed:
+            self.loop.call_soon(w.fire, None, UpstreamError(f"pool for {self.label} is closed", written=False))
+            return w
+        if self.open < self.settings.max_connections:
+            self.open += 1
+            self.connecting += 1
+            self.loop.create_task(self._connect(w))
+        else:
+            w.timer = self.loop.call_later(self.settings.acquire_timeout, self._acquire_timeout, w)
+            self.waiters.append(w)
+        return w
+
+    def release(self, conn: UpstreamConnection) -> None:
+        if conn.closed:
+            return
+        waiters = self.waiters
+        while waiters:
+            w = waiters.popleft()
+            if not w.done:
+                w.fire(conn, None)
+                return
+        if self.closed:
+            conn.abandon()
+            return
+        conn.idle_since = monotonic()
+        self.idle.append(conn)
+        if self._sweep is None and self.settings.idle_timeout > 0:
+            self._sweep = self.loop.call_later(self.settings.idle_timeout, self._evict)
+
+    def forget(self, conn: UpstreamConnection) -> None:
+        """A connection closed (by either side): drop it from the counts."""
+        self.open -= 1
+        try:
+            self.idle.remove(conn)
+        except ValueError:
+            pass
+        # A slot freed: a waiter may now open a connection.
+        while self.waiters and self.open < self.settings.max_connections:
+            w = self.waiters.popleft()
+            if w.done:
+                continue
+            if w.timer is not None:
+                w.timer.cancel()
+                w.timer = None
+            self.open += 1
+            self.connecting += 1
+            self.loop.create_task(self._connect(w))
+
+    # -- lifecycle work (tasks are fine here: not per call) --------------------
+
+    async def _connect(self, w: Waiter) -> None:
+        loop = self.loop
+        s = self.settings
+        try:
+            try:
+                async with asyncio.timeout(s.connect_timeout):
+                    _, conn = await loop.create_connection(
+                        lambda: UpstreamConnection(self, self.framing, self.protocol, s.max_reply_size),
+                        self.host, self.port, ssl=self.ssl,
+                        server_hostname=self.server_hostname if self.ssl else None)
+            finally:
+                self.connecting -= 1
+        except TimeoutError:
+            self.open -= 1
+            self.stats["connect_failures"] += 1
+            w.fire(None, UpstreamError(
+                f"connect to {self.label} timed out after {s.connect_timeout * 1000:.0f}ms", written=False,
+                timeout=True))
+            return
+        except (OSError, ssl_mod.SSLError) as e:
+            self.open -= 1
+            self.stats["connect_failures"] += 1
+            reason = e.strerror or str(e) if isinstance(e, OSError) else str(e)
+            log.warning("connect to %s failed: %s", self.label, reason)
+            w.fire(None, UpstreamError(f"connect to {self.label} failed: {reason}", written=False))
+            return
+        self.stats["connects"] += 1
+        if not w.fire(conn, None):
+            # The caller gave up meanwhile: keep the connection for the next one.
+            self.release(conn)
+
+    def _acquire_timeout(self, w: Waiter) -> None:
+        try:
+            self.waiters.remove(w)
+        except ValueError:
+            pass
+        self.stats["acquire_timeouts"] += 1
+        w.timer = None
+        w.fire(None, UpstreamError(
+            f"no connection to {self.label} within acquire_timeout "
+            f"{self.settings.acquire_timeout * 1000:.0f}ms ({self.settings.max_connections} busy)",
+            written=False, timeout=True))
+
+    def _evict(self) -> None:
+        self._sweep = None
+        limit = monotonic() - self.settings.idle_timeout
+        idle = self.idle
+        # LIFO: the oldest idle connections sit at the front.
+        while idle and idle[0].idle_since <= limit:
+            conn = idle.pop(0)
+            self.stats["evicted"] += 1
+            conn.abandon()
+        if idle:
+            delay = max(idle[0].idle_since - limit, 0.05)
+            self._sweep = self.loop.call_later(delay, self._evict)
+
+    def close(self) -> None:
+        """Close idle connections now; busy ones close when their exchange ends."""
+        self.closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+        for conn in list(self.idle):
+            conn.abandon()
+        self.idle.clear()
+        while self.waiters:
+            self.waiters.popleft().fire(None, UpstreamError(f"pool for {self.label} closed", written=False))
+
+    def snapshot(self) -> dict:
+        return {"endpoint": self.label, "framing": self.framing.value, "protocol": self.protocol.value,
+                "open": self.open, "idle": len(self.idle), "connecting": self.connecting,
+                "busy": self.open - self.connecting - len(self.idle), "waiting": len(self.waiters),
+                **self.stats}

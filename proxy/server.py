@@ -1,0 +1,216 @@
+"""The composition root: builds everything from the config and runs it.
+
+Config → clusters (endpoints, balancer, pools) → routes → pipelines →
+listeners. Nothing else constructs these objects, and nothing is global:
+each piece gets what it needs passed in. Lifecycle work (startup, signals,
+drain) uses tasks and awaits; the per-call path lives in protocol callbacks.
+
+Drain (an outbound sidecar): on SIGTERM/SIGINT `/ready` turns 503, existing
+and new local connections keep being served, and the process exits once no
+client connection has been open for `DRAIN_GRACE` seconds, or at
+`drain_timeout`. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import signal
+import sys
+import time
+from typing import Any
+
+from proxy import config as cfgmod
+from proxy.balancer import make_balancer
+from proxy.cluster import Cluster
+from proxy.codec import Framing, Protocol
+from proxy.endpoint import Endpoint
+from proxy.listener import ListenerSettings, ListenerState
+from proxy.pipeline import Pipeline
+from proxy.pool import PoolSettings
+from proxy.router import HeaderMatch, Route, Router, method_matcher
+from proxy.sockets import raise_nofile_limit
+
+log = logging.getLogger("proxy")
+
+DRAIN_GRACE = 1.0  # seconds without any client connection before a drain ends
+
+
+def _framing(name: str | None) -> Framing | None:
+    if name is None or name == "auto":
+        return None
+    return Framing(name)
+
+
+def _protocol(name: str | None) -> Protocol | None:
+    if name is None or name == "auto":
+        return None
+    return Protocol(name)
+
+
+def build_cluster(c: cfgmod.Cluster, loop: asyncio.AbstractEventLoop, rng: random.Random) -> Cluster:
+    endpoints = []
+    if c.endpoints.static is not None:
+        endpoints = [Endpoint(e.address.host, e.address.port, e.weight) for e in c.endpoints.static]
+    pool = PoolSettings(max_connections=c.pool.max_connections, idle_timeout=c.pool.idle_timeout,
+                        acquire_timeout=c.pool.acquire_timeout, connect_timeout=c.connect_timeout,
+                        max_reply_size=c.max_reply_size)
+    return Cluster(c.name, loop, endpoints, make_balancer(c.load_balancer, rng=rng), pool,
+                   framing=_framing(c.transport), protocol=_protocol(c.protocol),
+                   max_open_percent=c.circuit_breaker.max_open_percent)
+
+
+def build_route(r: cfgmod.Route, index: int, clusters: dict[str, Cluster], rng: random.Random) -> Route:
+    targets = r.targets
+    route = Route(clusters=[clusters[name] for name, _ in targets], weights=[w for _, w in targets],
+                  strip_service=r.strip_service, settings=r, rng=rng, index=index)
+    m = r.match
+    if m is not None:
+        route.method = method_matcher(m.method) if m.method is not None else None
+        route.service = m.service
+        route.invert = m.invert
+        if m.header:
+            import re
+            route.headers = [HeaderMatch(name, h.exact, re.compile(h.regex) if h.regex else None, h.present)
+                             for name, h in m.header.items()]
+    return route
+
+
+class Server:
+    """Everything one config file describes, running on one loop."""
+
+    def __init__(self, config: cfgmod.Config, loop: asyncio.AbstractEventLoop | None = None,
+                 rng: random.Random | None = None) -> None:
+        self.config = config
+        self.loop = loop or asyncio.get_running_loop()
+        self.rng = rng or random.Random()
+        self.clusters: dict[str, Cluster] = {
+            c.name: build_cluster(c, self.loop, self.rng) for c in config.clusters}
+        self.listeners: dict[str, ListenerState] = {}
+        self.servers: dict[str, asyncio.base_events.Server] = {}
+        self.ready = False
+        self.draining = False
+        self._stop = asyncio.Event()
+
+    def build_listener(self, lc: cfgmod.Listener) -> ListenerState:
+        router = Router([build_route(r, i, self.clusters, self.rng) for i, r in enumerate(lc.routes)])
+        pipeline = Pipeline(lc.name, router, frozenset(lc.oneway_methods))
+        settings = ListenerSettings(
+            name=lc.name, framing=_framing(lc.transport), protocol=_protocol(lc.protocol),
+            max_frame_size=lc.max_frame_size, max_connections=lc.max_connections,
+            request_read_timeout=lc.request_read_timeout, idle_timeout=lc.idle_timeout)
+        return ListenerState(settings, pipeline, self.loop)
+
+    async def start(self) -> None:
+        for lc in self.config.listeners:
+            state = self.build_listener(lc)
+            srv = await self.loop.create_server(
+                state.protocol_factory, lc.listen.host, lc.listen.port, backlog=lc.backlog,
+                reuse_address=True)
+            self.listeners[lc.name] = state
+            self.servers[lc.name] = srv
+            log.info("listener %s on %s (%s/%s)", lc.name, self.address(lc.name), lc.transport, lc.protocol)
+        self.ready = True
+
+    def address(self, listener: str) -> tuple[str, int]:
+        """The bound (host, port) of a listener (port 0 in config picks a free one)."""
+        sock = self.servers[listener].sockets[0]
+        return sock.getsockname()[:2]
+
+    def request_stop(self) -> None:
+        """First signal: drain. Second: stop now."""
+        if self.draining:
+            log.info("second signal: exiting now")
+            self._stop.set()
+            return
+        self.draining = True
+        self.ready = False
+        log.info("draining: serving local clients until none is connected for %.1fs or %.1fs pass",
+                 DRAIN_GRACE, self.config.drain_timeout)
+        self.loop.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.config.drain_timeout
+        quiet_since = None
+        while time.monotonic() < deadline and not self._stop.is_set():
+            open_conns = sum(len(s.connections) for s in self.listeners.values())
+            now = time.monotonic()
+            if open_conns == 0:
+                quiet_since = quiet_since or now
+                if now - quiet_since >= DRAIN_GRACE:
+                    break
+            else:
+                quiet_since = None
+            await asyncio.sleep(0.05)
+        self._stop.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stop.wait()
+
+    async def close(self) -> None:
+        for srv in self.servers.values():
+            srv.close()
+        for state in self.listeners.values():
+            for conn in list(state.connections):
+                if conn.transport is not None:
+                    conn.transport.close()
+        for c in self.clusters.values():
+            c.close()
+        for srv in self.servers.values():
+            try:
+                async with asyncio.timeout(1.0):
+                    await srv.wait_closed()
+            except TimeoutError:
+                pass
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "listeners": {name: {**s.stats, **s.pipeline.stats, "connections": len(s.connections)}
+                          for name, s in self.listeners.items()},
+            "clusters": {name: c.snapshot() for name, c in self.clusters.items()},
+        }
+
+
+def setup_logging(cfg: cfgmod.Logging) -> None:
+    level = getattr(logging, cfg.level.upper())
+    handler = logging.StreamHandler(sys.stderr)
+    if cfg.format == "json":
+        from proxy.logs import JsonFormatter
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+async def serve(config: cfgmod.Config) -> int:
+    loop = asyncio.get_running_loop()
+    server = Server(config, loop)
+    await server.start()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.request_stop)
+    try:
+        await server.wait_stopped()
+    finally:
+        await server.close()
+    log.info("stopped")
+    return 0
+
+
+def run_from_file(path: str) -> int:
+    try:
+        config = cfgmod.load(path)
+    except cfgmod.ConfigError as e:
+        for line in e.errors:
+            print(line, file=sys.stderr)
+        return 2
+    setup_logging(config.logging)
+    raise_nofile_limit()
+    return run(config)
+
+
+def run(config: cfgmod.Config) -> int:
+    import uvloop
+    return uvloop.run(serve(config))

@@ -1,0 +1,431 @@
+"""Real parts for tests: Apache Thrift servers and clients generated from tests/idl, and the proxy.
+
+- `ThriftServer`: a generated TestService (+ AdminService when multiplexed) on
+  127.0.0.1, any framing × protocol, one thread per connection; it can be
+  stopped and restarted on the same port, and can close idle connections.
+- `client(...)`: a generated client over a real socket.
+- `Proxy`: the sidecar in a thread with its own uvloop loop (in-process, so
+  tests can inspect it), or `ProxyProcess`: `python -m proxy run -c FILE`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GEN = ROOT / "tests" / "gen"
+if str(GEN) not in sys.path:
+    sys.path.insert(0, str(GEN))
+
+from sidecar_test import AdminService, TestService  # noqa: E402
+from sidecar_test.ttypes import Color, Everything, Inner, NotFound, Unavailable, User  # noqa: E402
+from thrift.protocol import (  # noqa: E402
+    TBinaryProtocol,
+    TCompactProtocol,
+    THeaderProtocol,
+    TMultiplexedProtocol,
+)
+from thrift.TMultiplexedProcessor import TMultiplexedProcessor  # noqa: E402
+from thrift.transport import THeaderTransport, TSocket, TTransport  # noqa: E402
+
+FRAMINGS = ("framed", "buffered", "header")
+PROTOCOLS = ("binary", "compact")
+HEADER_TYPES = [THeaderTransport.THeaderClientType.HEADERS,
+                THeaderTransport.THeaderClientType.FRAMED_BINARY,
+                THeaderTransport.THeaderClientType.UNFRAMED_BINARY,
+                THeaderTransport.THeaderClientType.FRAMED_COMPACT,
+                THeaderTransport.THeaderClientType.UNFRAMED_COMPACT]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_users(count: int) -> list:
+    return [User(id=i, username=f"user{i}", email=f"user{i}@example.com", first_name=f"First{i}",
+                 last_name=f"Last{i}", is_staff=i % 7 == 0, date_joined=1_600_000_000 + i,
+                 attrs={"team": f"t{i % 13}", "tz": "UTC"}) for i in range(count)]
+
+
+def everything() -> Everything:
+    return Everything(
+        b=True, i8v=-8, i16v=-1600, i32v=2_000_000_000, i64v=-(2 ** 62), d=3.25, s="héllo ✓",
+        bin=bytes(range(256)), strs=["a", "", "c"], ints={1, 2, 3}, inners={"x": Inner(n=1, label="one")},
+        inner=Inner(n=2, label="two", values=[1, -2, 3]), color=Color.BLUE, nested=[[1], [], [2, 3]],
+        maybe=Inner(n=3, label="three"), deep={7: [Inner(n=4, label="four")]}, doubles=[0.5, -1e300],
+        tags={"t1", "t2"})
+
+
+class Handler:
+    """TestService + AdminService; thread-safe counters for at-most-once checks."""
+
+    def __init__(self, name: str = "upstream") -> None:
+        self.name = name
+        self.lock = threading.Lock()
+        self.counts: dict[str, int] = {}
+        self.events: list[str] = []
+        self.calls = 0
+        self.sleep_ms = 0
+
+    def _hit(self) -> None:
+        with self.lock:
+            self.calls += 1
+        if self.sleep_ms:
+            time.sleep(self.sleep_ms / 1000)
+
+    def ping(self):
+        self._hit()
+
+    def roundtrip(self, e):
+        self._hit()
+        return e
+
+    def echo(self, payload):
+        self._hit()
+        return payload
+
+    def get_users(self, count, sleep_ms):
+        self._hit()
+        if sleep_ms:
+            time.sleep(sleep_ms / 1000)
+        return make_users(count)
+
+    def lookup(self, key):
+        self._hit()
+        if key == "missing":
+            raise NotFound(what=key, code=404)
+        if key == "down":
+            raise Unavailable(reason="maintenance")
+        return f"{self.name}:{key}"
+
+    def sleep(self, ms):
+        self._hit()
+        time.sleep(ms / 1000)
+        return ms
+
+    def log_event(self, event):
+        self._hit()
+        with self.lock:
+            self.events.append(event)
+            self.counts["event:" + event] = self.counts.get("event:" + event, 0) + 1
+
+    def incr(self, key):
+        self._hit()
+        with self.lock:
+            n = self.counts.get(key, 0) + 1
+            self.counts[key] = n
+        return n
+
+    def count(self, key):
+        self._hit()
+        with self.lock:
+            return self.counts.get(key, 0) + self.counts.get("event:" + key, 0)
+
+    # AdminService
+    def version(self):
+        return self.name
+
+    def add(self, a, b):
+        return a + b
+
+
+def _protocol_factory(framing: str, protocol: str):
+    if framing == "header":
+        return THeaderProtocol.THeaderProtocolFactory(
+            HEADER_TYPES, default_protocol=2 if protocol == "compact" else 0)
+    if protocol == "compact":
+        return TCompactProtocol.TCompactProtocolAcceleratedFactory()
+    if protocol == "binary_nonstrict":
+        return TBinaryProtocol.TBinaryProtocolFactory(strictRead=False, strictWrite=False)
+    return TBinaryProtocol.TBinaryProtocolAcceleratedFactory()
+
+
+def _wrap_transport(framing: str, trans):
+    if framing == "framed":
+        return TTransport.TFramedTransport(trans)
+    if framing == "buffered":
+        return TTransport.TBufferedTransport(trans)
+    return trans  # THeaderProtocol wraps it
+
+
+class ThriftServer:
+    """A real generated Thrift server on 127.0.0.1, one thread per connection."""
+
+    def __init__(self, framing: str = "framed", protocol: str = "binary", multiplexed: bool = False,
+                 handler: Handler | None = None, port: int = 0, idle_close: float | None = None,
+                 name: str = "upstream") -> None:
+        self.framing = framing
+        self.protocol = protocol
+        self.handler = handler or Handler(name)
+        self.multiplexed = multiplexed
+        self.idle_close = idle_close
+        self.port = port
+        self.connections = 0           # accepted so far
+        self._lsock: socket.socket | None = None
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._running = False
+        self.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _processor(self):
+        ts = TestService.Processor(self.handler)
+        if not self.multiplexed:
+            return ts
+        mp = TMultiplexedProcessor()
+        mp.registerProcessor("TestService", ts)
+        mp.registerProcessor("AdminService", AdminService.Processor(self.handler))
+        return mp
+
+    def start(self) -> None:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", self.port))
+        s.listen(512)
+        self.port = s.getsockname()[1]
+        self._lsock = s
+        self._running = True
+        threading.Thread(target=self._accept_loop, args=(s,), daemon=True).start()
+
+    def _accept_loop(self, lsock: socket.socket) -> None:
+        while self._running:
+            try:
+                c, _ = lsock.accept()
+            except OSError:
+                return
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._conns.add(c)
+                self.connections += 1
+            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+
+    def _serve(self, c: socket.socket) -> None:
+        ts = TSocket.TSocket()
+        ts.setHandle(c)
+        trans = _wrap_transport(self.framing, ts)
+        prot = _protocol_factory(self.framing, self.protocol).getProtocol(trans)
+        processor = self._processor()
+        try:
+            while True:
+                if self.idle_close is not None:
+                    c.settimeout(self.idle_close)
+                    try:
+                        if not c.recv(1, socket.MSG_PEEK):
+                            break
+                    except (socket.timeout, TimeoutError):
+                        break
+                    c.settimeout(None)
+                processor.process(prot, prot)
+        except Exception:
+            pass
+        finally:
+            with self._lock:
+                self._conns.discard(c)
+            try:
+                c.close()
+            except OSError:
+                pass
+
+    def stop(self) -> None:
+        """Close the listener and every connection (the upstream is down)."""
+        self._running = False
+        if self._lsock is not None:
+            self._lsock.close()
+            self._lsock = None
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            c.close()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+class Client:
+    """A generated client over a real socket (context manager)."""
+
+    def __init__(self, port: int, framing: str = "framed", protocol: str = "binary",
+                 service: str | None = None, host: str = "127.0.0.1", timeout: float = 10.0,
+                 headers: dict[str, str] | None = None) -> None:
+        self.sock = TSocket.TSocket(host, port)
+        self.sock.setTimeout(timeout * 1000)
+        self.trans = _wrap_transport(framing, self.sock)
+        if framing == "header":
+            prot = THeaderProtocol.THeaderProtocol(self.trans, HEADER_TYPES,
+                                                   default_protocol=2 if protocol == "compact" else 0)
+            for k, v in (headers or {}).items():
+                prot.set_header(k.encode(), v.encode())
+            self.header_protocol = prot
+        else:
+            prot = _protocol_factory(framing, protocol).getProtocol(self.trans)
+            self.header_protocol = None
+        self.protocol = prot
+        svc = service or "TestService"
+        if service is not None:
+            prot = TMultiplexedProtocol.TMultiplexedProtocol(prot, service)
+        cls = AdminService.Client if svc == "AdminService" else TestService.Client
+        self.client = cls(prot)
+        self.trans.open()
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def close(self) -> None:
+        self.trans.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def client(port: int, framing: str = "framed", protocol: str = "binary", **kw) -> Client:
+    return Client(port, framing, protocol, **kw)
+
+
+# -- the proxy -------------------------------------------------------------------------------
+
+
+def config_text(upstreams: list[str], listen_port: int = 0, transport: str = "framed",
+                protocol: str = "binary", cluster_transport: str | None = None, extra_listener: str = "",
+                extra_cluster: str = "", extra_top: str = "", lb: str = "round_robin") -> str:
+    eps = ", ".join(upstreams)
+    ct = f"\n    transport: {cluster_transport}" if cluster_transport else ""
+    return f"""{extra_top}
+listeners:
+  - name: test
+    service: TestService
+    listen: 127.0.0.1:{listen_port}
+    transport: {transport}
+    protocol: {protocol}{extra_listener}
+    routes:
+      - cluster: up
+clusters:
+  - name: up
+    endpoints: [{eps}]
+    load_balancer: {lb}{ct}{extra_cluster}
+"""
+
+
+class Proxy:
+    """The sidecar in a background thread with its own uvloop loop (in-process)."""
+
+    def __init__(self, text: str) -> None:
+        from proxy import config as cfgmod
+        from proxy.server import Server
+        import uvloop
+
+        self.config = cfgmod.loads(text, "test.yaml")
+        self.loop = uvloop.new_event_loop()
+        self.server = None
+        started = threading.Event()
+        self._error = None
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+
+            async def main() -> None:
+                try:
+                    self.server = Server(self.config, self.loop)
+                    await self.server.start()
+                except BaseException as e:  # pragma: no cover - surfaced below
+                    self._error = e
+                    started.set()
+                    return
+                started.set()
+                await self.server.wait_stopped()
+                await self.server.close()
+
+            self.loop.run_until_complete(main())
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        started.wait(10)
+        if self._error:
+            raise self._error
+
+    def port(self, listener: str = "test") -> int:
+        return self.server.address(listener)[1]
+
+    def call(self, fn, *args):
+        """Run fn(*args) on the proxy's loop and return its result."""
+        fut = asyncio.run_coroutine_threadsafe(_as_coro(fn, *args), self.loop)
+        return fut.result(10)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.loop.call_soon_threadsafe(self.server._stop.set)
+        self.thread.join(10)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+async def _as_coro(fn, *args):
+    return fn(*args)
+
+
+class ProxyProcess:
+    """`python -m proxy run -c FILE` as a new user would run it."""
+
+    def __init__(self, text: str, ports: list[int], env: dict | None = None) -> None:
+        self.dir = tempfile.mkdtemp(prefix="sidecar-")
+        self.path = Path(self.dir) / "sidecar.yaml"
+        self.path.write_text(text)
+        self.log = open(Path(self.dir) / "sidecar.log", "w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "proxy", "run", "-c", str(self.path)],
+                                     cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + 15
+        for port in ports:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"proxy exited: {self.output()}")
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"proxy did not listen on {port}: {self.output()}")
+                    time.sleep(0.05)
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()
+
+    def stop(self, sig=15, timeout: float = 20) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,5 @@
+module sidecarclient
+
+go 1.23
+
+require github.com/apache/thrift v0.22.0
