@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from time import monotonic_ns
 
 from proxy.codec import AppErrorType, Decoder, Framing, Head, MessageType, Protocol, ProtocolError, exception_reply
-from proxy.pipeline import PREFIX, Call
+from proxy.calls import Call
+from proxy.pipeline import PREFIX
 from proxy.sockets import set_nodelay
 
 log = logging.getLogger(__name__)

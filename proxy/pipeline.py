@@ -22,7 +22,8 @@ import logging
 from time import monotonic_ns
 
 from proxy.codec import AppErrorType, Framing, Message, MessageType, Protocol, exception_reply, reframe
-from proxy.upstream import Exchange, UpstreamError
+from proxy.calls import Attempt, Call
+from proxy.upstream import UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -31,67 +32,6 @@ PREFIX = "thrift-sidecar: "
 
 def _same_protocol(a: Protocol, b: Protocol) -> bool:
     return a is b or (a is not Protocol.COMPACT and b is not Protocol.COMPACT)
-
-
-class Call:
-    """One client request from the moment its first byte arrived until its reply is written."""
-
-    __slots__ = ("conn", "msg", "route", "cluster", "oneway", "reply", "error", "attempt", "attempts",
-                 "written", "cancelled", "t_start", "t_framed", "t_done", "t_handed", "_request")
-
-    def __init__(self, conn, msg: Message, t_start: int, t_framed: int) -> None:
-        self.conn = conn
-        self.msg = msg
-        self.route = None
-        self.cluster = None
-        self.oneway = False
-        self.reply: bytes | None = None     # what goes back to the client, once known
-        self.error: str | None = None       # the proxy's own error text, if it answered
-        self.attempt: Attempt | None = None
-        self.attempts = 0
-        self.written = False                # some attempt wrote request bytes upstream
-        self.cancelled = False
-        self.t_start = t_start
-        self.t_framed = t_framed
-        self.t_done = 0
-        self.t_handed = 0
-        self._request: dict = {}            # request bytes per upstream framing
-
-
-class Attempt(Exchange):
-    """One try of a call on one endpoint: acquire → write → reply."""
-
-    __slots__ = ("call", "endpoint", "pool", "upconn", "waiter", "seqid", "number",
-                 "t_acquire", "t_acquired", "t_written", "t_first_reply", "t_reply", "outcome")
-
-    def __init__(self, call: Call, endpoint, number: int) -> None:
-        self.call = call
-        self.endpoint = endpoint
-        self.pool = None
-        self.upconn = None
-        self.waiter = None
-        self.seqid = call.msg.seqid
-        self.number = number
-        self.t_acquire = monotonic_ns()
-        self.t_acquired = 0
-        self.t_written = 0
-        self.t_first_reply = 0
-        self.t_reply = 0
-        self.outcome = None
-
-    # pool callback: a connection (or an error) arrived
-    def __call__(self, conn, error) -> None:
-        self.waiter = None
-        if error is not None:
-            self.call.conn.pipeline.attempt_failed(self, error)
-        else:
-            self.call.conn.pipeline.send(self, conn)
-
-    def on_reply(self, reply: Message) -> None:
-        self.call.conn.pipeline.attempt_replied(self, reply)
-
-    def on_failure(self, error: UpstreamError) -> None:
-        self.call.conn.pipeline.attempt_failed(self, error)
 
 
 class Pipeline:
@@ -136,8 +76,8 @@ class Pipeline:
         if endpoint is None:
             self._give_up(call, UpstreamError(f"no endpoint available in cluster '{cluster.name}'", written=False))
             return
-        call.attempts += 1
-        attempt = Attempt(call, endpoint, call.attempts)
+        attempt = Attempt(call, endpoint, len(call.attempts) + 1, monotonic_ns())
+        call.attempts.append(attempt)
         call.attempt = attempt
         pool = cluster.pool(endpoint, cluster.framing or msg.framing, msg.protocol)
         attempt.pool = pool

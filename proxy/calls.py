@@ -1,0 +1,116 @@
+"""A call and its attempts: state plus hop timestamps (the record telemetry reads).
+
+Timestamps are `time.monotonic_ns()` values; 0 means "did not happen".
+Telemetry turns them into histogram samples for every call and, for sampled,
+slow or failed calls, into spans after the call (see `proxy.spans`):
+
+    Call.t_start ─ read_request ─ Call.t_framed
+        Attempt.t_acquire ─ acquire ─ t_acquired ─ write_upstream ─ t_written
+            ─ service_time ─ t_first_reply ─ read_response ─ t_reply
+        (Call.backoffs: (start, end) between attempts)
+    Call.t_done ─ queued ─ Call.t_write ─ write_response ─ Call.t_acked
+                            (Call.t_handed: the kernel took the last byte)
+"""
+
+from __future__ import annotations
+
+from proxy.upstream import Exchange
+
+# Outcomes of an attempt (and of a call: its last attempt's, or the proxy's own error).
+SUCCESS = "success"
+DECLARED_EXCEPTION = "declared_exception"
+APP_EXCEPTION = "app_exception"
+NOT_SENT = "not_sent"
+MAY_HAVE_RUN = "may_have_run"
+TIMEOUT = "timeout"
+BAD_REQUEST = "bad_request"
+NO_ROUTE = "no_route"
+
+
+class Call:
+    """One client request, from its first byte until the client acknowledged its reply."""
+
+    __slots__ = ("conn", "msg", "route", "cluster", "oneway", "reply", "error", "error_type",
+                 "outcome", "attempt", "attempts", "written", "cancelled", "backoffs",
+                 "t_start", "t_framed", "t_done", "t_write", "t_handed", "t_acked", "never_read",
+                 "streamed", "client_paused_ns", "upstream_wait_ns", "reply_size", "loop_lag_ns",
+                 "trace", "timer", "deadline", "_request")
+
+    def __init__(self, conn, msg, t_start: int, t_framed: int) -> None:
+        self.conn = conn                    # the client connection (listener)
+        self.msg = msg                      # the request Message (None for a bad-request answer)
+        self.route = None
+        self.cluster = None
+        self.oneway = False
+        self.reply: bytes | None = None     # what goes back to the client, once known
+        self.error: str | None = None       # the proxy's own error text, if it answered
+        self.error_type: str | None = None  # error.type for spans and metrics
+        self.outcome: str | None = None
+        self.attempt: Attempt | None = None  # the current attempt
+        self.attempts: list[Attempt] = []
+        self.written = False                # some attempt wrote request bytes upstream
+        self.cancelled = False              # the client went away
+        self.backoffs: list[tuple[int, int]] = []
+        self.t_start = t_start              # first request byte read
+        self.t_framed = t_framed            # whole request framed
+        self.t_done = 0                     # reply (or error) ready
+        self.t_write = 0                    # first reply byte written to the client transport
+        self.t_handed = 0                   # the kernel took the last reply byte
+        self.t_acked = 0                    # the client acknowledged every byte (SIOCOUTQ = 0)
+        self.never_read = False             # the client did not acknowledge within the cap
+        self.streamed = False
+        self.client_paused_ns = 0
+        self.upstream_wait_ns = 0
+        self.reply_size = 0
+        self.loop_lag_ns = 0                # the largest loop lag seen while the call ran
+        self.trace = None                   # trace context (telemetry)
+        self.timer = None                   # route deadline handle
+        self.deadline = 0.0                 # loop time of the route deadline (0 = none)
+        self._request: dict = {}            # request bytes per upstream framing
+
+    @property
+    def request_size(self) -> int:
+        return len(self.msg.data) if self.msg is not None else 0
+
+
+class Attempt(Exchange):
+    """One try of a call on one endpoint: acquire → write → reply."""
+
+    __slots__ = ("call", "endpoint", "pool", "upconn", "waiter", "seqid", "number", "timer",
+                 "t_acquire", "t_acquired", "t_written", "t_first_reply", "t_reply", "outcome",
+                 "error", "retry_reason", "breaker_state", "reply_size", "span_id")
+
+    def __init__(self, call: Call, endpoint, number: int, t_acquire: int) -> None:
+        self.call = call
+        self.endpoint = endpoint
+        self.pool = None
+        self.upconn = None
+        self.waiter = None
+        self.seqid = call.msg.seqid
+        self.number = number                # 1-based
+        self.timer = None                   # per-try deadline handle
+        self.t_acquire = t_acquire
+        self.t_acquired = 0
+        self.t_written = 0
+        self.t_first_reply = 0
+        self.t_reply = 0
+        self.outcome: str | None = None
+        self.error: str | None = None
+        self.retry_reason: str | None = None  # the previous attempt's outcome, for retries
+        self.breaker_state: str | None = None
+        self.reply_size = 0
+        self.span_id = 0                    # pre-chosen when trace context is injected upstream
+
+    # pool callback: a connection (or an error) arrived
+    def __call__(self, conn, error) -> None:
+        self.waiter = None
+        if error is not None:
+            self.call.conn.pipeline.attempt_failed(self, error)
+        else:
+            self.call.conn.pipeline.send(self, conn)
+
+    def on_reply(self, reply) -> None:
+        self.call.conn.pipeline.attempt_replied(self, reply)
+
+    def on_failure(self, error) -> None:
+        self.call.conn.pipeline.attempt_failed(self, error)
