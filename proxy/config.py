@@ -1,0 +1,991 @@
+"""The config file: its typed, frozen model, every default, and every rule checked at load.
+
+Owns: the YAML shape of DESIGN.md ("Config (YAML)") as pydantic models, the defaults (here and
+nowhere else), the cross-checks that need the whole file (route → cluster, unique names and
+addresses), and turning every broken rule into one `FILE:LINE: key.path: message` line.
+Leaves to others: what the values *do* (listener, router, pool, breaker, ...), reading the
+IDL and endpoint files it names (paths are only resolved here), and the units' grammar
+(`proxy.units`).
+
+    cfg = load("sidecar.yaml")            # raises ConfigError(.errors = ["FILE:LINE: path: msg", ...])
+    cfg.listeners[0].listen.port          # durations are float seconds, sizes int bytes
+    print(summary(cfg))                   # what `check-config` prints
+    cfg.effective()                       # JSON-able dict for the admin /config page
+
+How errors get their lines: the YAML is composed into a node tree first, so every key path
+(`("listeners", 0, "routes", 2, "retry", "attempts")`) has the line where it starts; pydantic's
+error locations are mapped onto those paths (a missing key gets its closest parent's line).
+Rules that concern a model's own keys are model validators that raise `_At(key, message)`, so
+the error names the key rather than the whole model.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import types
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    Strict,
+    StrictBool,
+    StrictStr,
+    ValidationError,
+    ValidationInfo,
+    model_serializer,
+    model_validator,
+)
+
+from proxy.units import (
+    Address,
+    format_duration,
+    format_size,
+    parse_address,
+    parse_duration,
+    parse_size,
+)
+
+__all__ = [
+    "Address", "Admin", "Backoff", "CircuitBreaker", "Cluster", "Config", "ConfigError",
+    "DnsEndpoints", "Endpoint", "Endpoints", "HeaderMatch", "HealthCheck", "Limits", "Listener",
+    "Logging", "Match", "Pool", "Reload", "Retry", "RetryBudget", "Route", "Tls", "Tracing",
+    "WeightedCluster", "load", "loads", "summary",
+]
+
+Loc = tuple[str | int, ...]
+
+MAX_FRAME = 2**31 - 1  # a frame length is a signed 32-bit integer on the wire
+THRIFT_DEFAULT_FRAME = 16_384_000  # Apache Thrift's own default max frame size
+MiB = 1024 * 1024
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+
+
+class ConfigError(Exception):
+    """The config is invalid; `.errors` has one `FILE:LINE: key.path: message` per broken rule."""
+
+    def __init__(self, errors: list[str]):
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+class _At(ValueError):
+    """A rule broken at `key` below the model that raised it (pydantic would blame the model)."""
+
+    def __init__(self, key: str | Loc, message: str):
+        super().__init__(message)
+        self.key: Loc = key if isinstance(key, tuple) else (key,)
+
+
+class _Problems(ValueError):
+    """Several (loc, message) problems at once: field errors plus the cross-checks."""
+
+    def __init__(self, problems: list[tuple[Loc, str]]):
+        super().__init__("; ".join(f"{_path(loc)}: {msg}" for loc, msg in problems))
+        self.problems = problems
+
+
+# --------------------------------------------------------------------------------------------
+# Value types: each parses what a human typed and prints back what parses again.
+
+
+def _positive_duration(value: object) -> float:
+    seconds = parse_duration(value)
+    if seconds <= 0:
+        raise ValueError("must be more than 0s")
+    return seconds
+
+
+def _frame_size(value: object) -> int:
+    size = parse_size(value)
+    if not 1 <= size <= MAX_FRAME:
+        raise ValueError(f"must be 1-{MAX_FRAME} bytes")
+    return size
+
+
+def _listen_address(value: object) -> Address:
+    return value if isinstance(value, Address) else parse_address(value, allow_port_zero=True)
+
+
+def _endpoint_address(value: object) -> Address:
+    return value if isinstance(value, Address) else parse_address(value)
+
+
+def _ratio(value: float) -> float:
+    if not 0 <= value <= 1:
+        raise ValueError("must be between 0 and 1")
+    return value
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def _name(value: str) -> str:
+    if not _NAME.fullmatch(value):
+        raise ValueError("must be letters, digits, '_', '.' or '-' (starting with a letter or digit)")
+    return value
+
+
+def _not_empty(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must not be empty")
+    return value
+
+
+def _input_path(value: Path, info: ValidationInfo) -> Path:
+    """Relative paths of files we read resolve against the config file's folder.
+
+    `absolute()`, not `resolve()`: a Kubernetes ConfigMap mounts files through symlinks that are
+    swapped on update, and resolving would pin the old target.
+    """
+    base = (info.context or {}).get("base_dir")
+    return base / value if base is not None and not value.is_absolute() else value
+
+
+def _not_empty_list(value: object) -> object:
+    # before the items are validated: pydantic's min_length also counts the invalid items out
+    if isinstance(value, list) and not value:
+        raise ValueError("needs at least one item")
+    return value
+
+
+def _no_auto(value: object) -> object:
+    if value == "auto":
+        raise ValueError("auto is for listeners only; leave it out to speak what the client spoke")
+    return value
+
+
+Duration = Annotated[float, PlainValidator(parse_duration), PlainSerializer(format_duration, when_used="json")]
+PositiveDuration = Annotated[
+    float, PlainValidator(_positive_duration), PlainSerializer(format_duration, when_used="json")]
+Size = Annotated[int, PlainValidator(parse_size), PlainSerializer(format_size, when_used="json")]
+FrameSize = Annotated[int, PlainValidator(_frame_size), PlainSerializer(format_size, when_used="json")]
+ListenAddress = Annotated[Address, PlainValidator(_listen_address), PlainSerializer(str, when_used="json")]
+EndpointAddress = Annotated[Address, PlainValidator(_endpoint_address), PlainSerializer(str, when_used="json")]
+Name = Annotated[StrictStr, AfterValidator(_name)]
+Text = Annotated[StrictStr, AfterValidator(_not_empty)]
+InputPath = Annotated[Path, BeforeValidator(lambda v: _not_empty(v) if isinstance(v, str) else v),
+                      AfterValidator(_input_path)]
+OutputPath = Annotated[Path, BeforeValidator(lambda v: _not_empty(v) if isinstance(v, str) else v)]
+Ratio = Annotated[float, Strict(), AfterValidator(_ratio)]
+Count = Annotated[int, Strict(), Field(ge=0)]
+PositiveCount = Annotated[int, Strict(), Field(ge=1)]
+
+# Thrift transports are "framing" in code (asyncio has its own Transport and Protocol).
+ListenerFraming = Literal["framed", "buffered", "header", "auto"]
+Framing = Literal["framed", "buffered", "header"]
+ListenerProtocolName = Literal["binary", "binary_nonstrict", "compact", "auto"]
+ProtocolName = Literal["binary", "binary_nonstrict", "compact"]
+LoadBalancer = Literal["round_robin", "random", "least_request", "peak_ewma"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Top-level sections
+
+
+class Admin(_Model):
+    """`/ready /live /metrics /stats /config`; only exists when the file has an admin section."""
+
+    listen: ListenAddress = Address("127.0.0.1", 9901)
+    allow_remote: StrictBool = False
+    health_listen: ListenAddress | None = None  # /ready and /live only, for probes on the pod IP
+
+    @model_validator(mode="after")
+    def _loopback_unless_allowed(self) -> Admin:
+        if not self.listen.is_loopback and not self.allow_remote:
+            raise _At("listen", "must be a loopback address unless allow_remote is true")
+        return self
+
+
+class Logging(_Model):
+    format: Literal["json", "text"] = "json"
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    access_log: StrictBool = False
+
+
+class Reload(_Model):
+    watch: StrictBool = False  # also reload when the file changes (SIGHUP always reloads)
+
+
+class Tracing(_Model):
+    """Without a tracing section the exporter is `none`; with one, it defaults to `otlp`."""
+
+    service_name: Text = "thrift-sidecar"
+    exporter: Literal["otlp", "jsonl", "console", "none"] = "otlp"
+    otlp_protocol: Literal["grpc", "http"] = "grpc"
+    # None = the OTLP exporter's own default, which honours OTEL_EXPORTER_OTLP_ENDPOINT
+    # (else http://localhost:4317 for grpc, http://localhost:4318/v1/traces for http)
+    endpoint: Text | None = None
+    path: OutputPath | None = None  # for jsonl; relative to the working directory (output file)
+    sample_ratio: Ratio = 0.01
+
+    @model_validator(mode="after")
+    def _jsonl_needs_path(self) -> Tracing:
+        if self.exporter == "jsonl" and self.path is None:
+            raise _At("path", "required when exporter is jsonl")
+        return self
+
+
+# --------------------------------------------------------------------------------------------
+# Listeners and routes
+
+
+class Backoff(_Model):
+    base: Duration = 0.025
+    max: Duration = 0.25
+
+    @model_validator(mode="after")
+    def _max_not_below_base(self) -> Backoff:
+        if self.max < self.base:
+            raise _At("max", f"must be at least base ({format_duration(self.base)})")
+        return self
+
+
+def _idempotent(value: object) -> object:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, list) and all(isinstance(v, str) and v for v in value):
+        return tuple(value)
+    raise ValueError("must be true, false or a list of method globs")
+
+
+def _exception_ref(value: object) -> object:
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 32767:
+        return value
+    if isinstance(value, str) and value.isidentifier():
+        return value
+    raise ValueError("must be a result field id (1-32767) or an exception name")
+
+
+class Retry(_Model):
+    attempts: PositiveCount = 1  # total tries, the first included
+    # true: every method may run twice; a list: methods matching these globs; false: only
+    # requests that were never written are retried
+    idempotent: Annotated[bool | tuple[str, ...], BeforeValidator(_idempotent)] = False
+    per_try_timeout: Duration = 0.0  # 0 = only the route timeout bounds an attempt
+    # declared exceptions (result field ids, or names from the listener's IDL) worth a retry
+    on_exceptions: tuple[Annotated[int | str, BeforeValidator(_exception_ref)], ...] = ()
+    backoff: Backoff = Backoff()
+
+
+def _header_match(value: object) -> object:
+    if isinstance(value, str):
+        return {"exact": value}
+    if isinstance(value, dict):
+        return value
+    raise ValueError("must be a string, or {exact: ...}, {regex: ...} or {present: true}")
+
+
+def _regex(value: str | None) -> str | None:
+    if value is not None:
+        try:
+            re.compile(value)
+        except re.error as e:
+            raise ValueError(f"invalid regex: {e}") from None
+    return value
+
+
+class HeaderMatch(_Model):
+    """One THeader header test; a plain string in the file means `exact`."""
+
+    exact: StrictStr | None = None
+    regex: Annotated[StrictStr | None, AfterValidator(_regex)] = None
+    present: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> HeaderMatch:
+        if sum(v is not None for v in (self.exact, self.regex, self.present)) != 1:
+            raise _At((), "needs exactly one of exact, regex or present")
+        return self
+
+
+class Match(_Model):
+    method: Text | None = None  # exact name or glob (`get_*`), without the `Svc:` prefix
+    service: Name | None = None  # the TMultiplexedProtocol service name
+    header: dict[StrictStr, Annotated[HeaderMatch, BeforeValidator(_header_match)]] | None = None
+    invert: StrictBool = False
+
+    @model_validator(mode="after")
+    def _tests_something(self) -> Match:
+        if self.method is None and self.service is None and not self.header:
+            raise _At((), "needs method, service or header (leave match out for the default route)")
+        return self
+
+
+class WeightedCluster(_Model):
+    cluster: Name
+    weight: Count = 1
+
+
+class Route(_Model):
+    match: Match | None = None  # None = the default route, matches every call
+    cluster: Name | None = None
+    weighted: Annotated[tuple[WeightedCluster, ...] | None, BeforeValidator(_not_empty_list)] = None
+    strip_service: StrictBool = False
+    timeout: Duration = 0.0  # 0 = no route timeout
+    slow_call: Duration = 1.0  # slower calls are always traced
+    retry: Retry = Retry()
+    retry_buffer: Size = MiB  # larger requests stream and are not retried
+
+    @model_validator(mode="after")
+    def _one_target(self) -> Route:
+        if self.cluster is not None and self.weighted is not None:
+            raise _At("weighted", "use cluster or weighted, not both")
+        if self.cluster is None and self.weighted is None:
+            raise _At("cluster", "a route needs cluster or weighted")
+        if self.weighted is not None and sum(w.weight for w in self.weighted) == 0:
+            raise _At("weighted", "weights must add up to more than 0")
+        return self
+
+    @property
+    def targets(self) -> tuple[tuple[str, int], ...]:
+        """(cluster, weight) pairs, whichever form the route used."""
+        if self.weighted is not None:
+            return tuple((w.cluster, w.weight) for w in self.weighted)
+        assert self.cluster is not None
+        return ((self.cluster, 1),)
+
+
+class Listener(_Model):
+    name: Name  # default `listener{index}` (filled in by Config)
+    service: Name  # names spans and metrics; default: the listener name
+    idl: InputPath | None = None
+    listen: ListenAddress
+    transport: ListenerFraming = "framed"
+    protocol: ListenerProtocolName = "binary"
+    max_frame_size: FrameSize = THRIFT_DEFAULT_FRAME
+    max_connections: PositiveCount = 10000
+    backlog: PositiveCount = 1024
+    request_read_timeout: Duration = 30.0  # a started request must arrive within this; 0 = none
+    idle_timeout: Duration = 0.0  # 0 = keep idle client connections
+    oneway_methods: tuple[Text, ...] = ()
+    routes: Annotated[tuple[Route, ...], BeforeValidator(_not_empty_list)]  # first match wins
+
+    @model_validator(mode="before")
+    @classmethod
+    def _service_defaults_to_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "service" not in data:
+            name = data.get("name")
+            # a bad or missing name is reported on `name`; don't report it again on `service`
+            usable = isinstance(name, str) and _NAME.fullmatch(name)
+            return {**data, "service": name if usable else "unnamed"}
+        return data
+
+    @model_validator(mode="after")
+    def _routes_reachable(self) -> Listener:
+        for i, route in enumerate(self.routes[:-1]):
+            if route.match is None:
+                raise _At(("routes", i + 1), f"unreachable: routes[{i}] has no match and takes every call")
+        return self
+
+    @property
+    def framing(self) -> str:
+        return self.transport
+
+
+# --------------------------------------------------------------------------------------------
+# Clusters
+
+
+def _endpoint(value: object) -> object:
+    if isinstance(value, str):
+        return {"address": value}
+    if isinstance(value, (dict, Endpoint)):
+        return value
+    raise ValueError("endpoint must be host:port or {address: host:port, weight: N}")
+
+
+class Endpoint(_Model):
+    address: EndpointAddress
+    weight: PositiveCount = 1
+
+
+class DnsEndpoints(_Model):
+    name: EndpointAddress  # host:port; every A/AAAA record becomes an endpoint on that port
+    refresh: PositiveDuration = 5.0
+
+
+class Endpoints(_Model):
+    """Exactly one source: a list in the file (`static`), `dns: {...}` or `file: path`."""
+
+    static: tuple[Annotated[Endpoint, BeforeValidator(_endpoint)], ...] | None = None
+    dns: DnsEndpoints | None = None
+    file: InputPath | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _list_is_static(cls, data: Any) -> Any:
+        if isinstance(data, list):
+            return {"static": data}
+        if not isinstance(data, (dict, Endpoints)):
+            raise ValueError("must be a list of host:port, or {dns: {name: host:port}} or {file: path}")
+        return data
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Endpoints:
+        given = sum(v is not None for v in (self.static, self.dns, self.file))
+        if given == 0:
+            raise _At((), "needs a list of host:port, dns or file")
+        if given > 1:
+            raise _At((), "use only one of a list, dns or file")
+        if self.static is not None:
+            if not self.static:
+                raise _At((), "needs at least one endpoint")
+            seen: set[Address] = set()
+            for i, endpoint in enumerate(self.static):
+                if endpoint.address in seen:
+                    raise _At(("static", i), f"duplicate endpoint {endpoint.address}")
+                seen.add(endpoint.address)
+        return self
+
+    @model_serializer(mode="wrap")
+    def _as_written(self, handler: Any) -> Any:
+        dumped = handler(self)
+        if self.static is not None:
+            return dumped["static"]
+        return {k: v for k, v in dumped.items() if v is not None}
+
+    @property
+    def kind(self) -> Literal["static", "dns", "file"]:
+        return "static" if self.static is not None else "dns" if self.dns is not None else "file"
+
+
+class Pool(_Model):
+    max_connections: PositiveCount = 64  # per endpoint
+    idle_timeout: Duration = 30.0  # 0 = keep idle connections
+    acquire_timeout: PositiveDuration = 1.0
+
+
+class Limits(_Model):
+    max_pending: Count = 256  # calls waiting for a connection
+    max_requests: PositiveCount = 1024  # calls in flight
+    max_retries: Count = 16  # retries in flight
+
+
+class CircuitBreaker(_Model):
+    """Per endpoint; also the outlier ejection (open time grows per opening up to max_open_for)."""
+
+    consecutive_failures: Count = 5  # 0 = off
+    failure_rate: Ratio = 0.5  # over `window`, once `min_calls` were seen
+    window: PositiveDuration = 10.0
+    min_calls: PositiveCount = 20
+    open_for: PositiveDuration = 5.0
+    max_open_for: PositiveDuration = 300.0
+    half_open_probes: PositiveCount = 1
+    max_open_percent: Annotated[int, Strict(), Field(ge=0, le=100)] = 50  # above: panic, ignore health
+
+    @model_validator(mode="after")
+    def _max_not_below_open_for(self) -> CircuitBreaker:
+        if self.max_open_for < self.open_for:
+            raise _At("max_open_for", f"must be at least open_for ({format_duration(self.open_for)})")
+        return self
+
+
+class HealthCheck(_Model):
+    interval: PositiveDuration = 5.0
+    timeout: PositiveDuration = 1.0
+    method: Text = "ping"
+
+    @model_validator(mode="after")
+    def _timeout_within_interval(self) -> HealthCheck:
+        if self.timeout > self.interval:
+            raise _At("timeout", f"must not exceed interval ({format_duration(self.interval)})")
+        return self
+
+
+class RetryBudget(_Model):
+    ratio: Ratio = 0.2  # retries may add this share of the calls in `window`
+    min_per_second: Annotated[float, Strict(), Field(ge=0)] = 10.0
+    window: PositiveDuration = 10.0
+
+
+class Tls(_Model):
+    ca: InputPath | None = None
+    cert: InputPath | None = None
+    key: InputPath | None = None
+    server_name: Text | None = None
+
+    @model_validator(mode="after")
+    def _cert_with_key(self) -> Tls:
+        if (self.cert is None) != (self.key is None):
+            raise _At("key" if self.key is None else "cert", "cert and key go together")
+        return self
+
+
+class Cluster(_Model):
+    name: Name
+    endpoints: Endpoints
+    # None (the default) = speak what the client spoke
+    transport: Annotated[Framing | None, BeforeValidator(_no_auto)] = None
+    protocol: Annotated[ProtocolName | None, BeforeValidator(_no_auto)] = None
+    load_balancer: LoadBalancer = "least_request"
+    connect_timeout: PositiveDuration = 0.25
+    max_reply_size: FrameSize = THRIFT_DEFAULT_FRAME
+    stream_threshold: Size = MiB  # larger replies stream instead of being read whole
+    pool: Pool = Pool()
+    limits: Limits = Limits()
+    circuit_breaker: CircuitBreaker = CircuitBreaker()
+    health_check: HealthCheck | None = None
+    retry_budget: RetryBudget = RetryBudget()
+    tls: Tls | None = None
+
+    @model_validator(mode="after")
+    def _health_check_needs_wire(self) -> Cluster:
+        if self.health_check is not None and (self.transport is None or self.protocol is None):
+            raise _At("health_check", "needs transport and protocol set on the cluster")
+        return self
+
+    @property
+    def framing(self) -> str | None:
+        return self.transport
+
+
+# --------------------------------------------------------------------------------------------
+# The whole file
+
+
+class Config(_Model):
+    admin: Admin | None = None  # no admin section = no admin listener
+    metrics_listen: ListenAddress | None = None  # /metrics alone, without an admin section
+    logging: Logging = Logging()
+    reload: Reload = Reload()
+    drain_timeout: Duration = 20.0
+    tracing: Tracing = Tracing(exporter="none")
+    listeners: Annotated[tuple[Listener, ...], BeforeValidator(_not_empty_list)]
+    clusters: tuple[Cluster, ...] = ()
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _check_across(cls, data: Any, handler: Any) -> Config:
+        """Cross-checks run on the raw data too, so their errors come with the field errors."""
+        if not isinstance(data, dict):
+            return handler(data)
+        data = _name_listeners(data)
+        problems = _cross_problems(data)
+        if not problems:
+            return handler(data)
+        try:
+            handler(data)
+        except ValidationError as e:
+            problems = _problems_from(e, cls) + problems
+        raise _Problems(problems)
+
+    def cluster(self, name: str) -> Cluster:
+        """The cluster called `name` (every route's cluster exists: checked at load)."""
+        for cluster in self.clusters:
+            if cluster.name == name:
+                return cluster
+        raise KeyError(name)
+
+    def effective(self) -> dict[str, Any]:
+        """Every key with its effective value, JSON-able (admin `/config`); loads back as is."""
+        return self.model_dump(mode="json")
+
+
+def _name_listeners(data: dict[str, Any]) -> dict[str, Any]:
+    listeners = data.get("listeners")
+    if not isinstance(listeners, list):
+        return data
+    named = [{"name": f"listener{i}", **item} if isinstance(item, dict) and "name" not in item
+             else item for i, item in enumerate(listeners)]
+    return {**data, "listeners": named}
+
+
+def _cross_problems(data: dict[str, Any]) -> list[tuple[Loc, str]]:
+    """Rules across sections, on the raw data so they run even when some fields are invalid."""
+    problems: list[tuple[Loc, str]] = []
+
+    def unique(kind: str, items: Any, section: str) -> list[str]:
+        names: list[str] = []
+        for i, item in enumerate(items if isinstance(items, list) else []):
+            name = item.get("name") if isinstance(item, dict) else None
+            if isinstance(name, str):
+                if name in names:
+                    problems.append(((section, i, "name"), f"duplicate {kind} name '{name}'"))
+                names.append(name)
+        return names
+
+    clusters = data.get("clusters")
+    cluster_names = unique("cluster", clusters, "clusters")
+    listeners = data.get("listeners")
+    unique("listener", listeners, "listeners")
+
+    # Every route's cluster exists (unless `clusters` itself is broken: its own errors say so).
+    if clusters is None or isinstance(clusters, list):
+        for i, listener in enumerate(listeners if isinstance(listeners, list) else []):
+            routes = listener.get("routes") if isinstance(listener, dict) else None
+            for j, route in enumerate(routes if isinstance(routes, list) else []):
+                if not isinstance(route, dict):
+                    continue
+                refs: list[tuple[Loc, Any]] = [(("cluster",), route.get("cluster"))]
+                weighted = route.get("weighted")
+                for k, w in enumerate(weighted if isinstance(weighted, list) else []):
+                    if isinstance(w, dict):
+                        refs.append((("weighted", k, "cluster"), w.get("cluster")))
+                for sub, ref in refs:
+                    if isinstance(ref, str) and ref not in cluster_names:
+                        hint = difflib.get_close_matches(ref, cluster_names, n=1)
+                        problems.append((("listeners", i, "routes", j, *sub),
+                                         f"cluster '{ref}' is not defined"
+                                         + (f" (did you mean '{hint[0]}'?)" if hint else "")))
+
+    # No two sockets on one address (port 0 = any free port, never a clash).
+    spots: list[tuple[Loc, Any]] = [(("metrics_listen",), data.get("metrics_listen"))]
+    admin = data.get("admin")
+    if isinstance(admin, dict):
+        spots.append((("admin", "listen"), admin.get("listen", str(Admin.model_fields["listen"].default))))
+        spots.append((("admin", "health_listen"), admin.get("health_listen")))
+    for i, listener in enumerate(listeners if isinstance(listeners, list) else []):
+        if isinstance(listener, dict):
+            spots.append((("listeners", i, "listen"), listener.get("listen")))
+    taken: dict[Address, Loc] = {}
+    for loc, value in spots:
+        try:
+            address = parse_address(value, allow_port_zero=True)
+        except ValueError:
+            continue  # reported by the field itself, or not given
+        if address.port == 0:
+            continue
+        if address in taken:
+            problems.append((loc, f"{address} is already used by {_path(taken[address])}"))
+        else:
+            taken[address] = loc
+    return problems
+
+
+# --------------------------------------------------------------------------------------------
+# Loading: YAML → (data, line of every key path) → Config, or every error with its line
+
+
+def load(path: str | Path) -> Config:
+    """Read and validate the config file at `path`; raise ConfigError listing every problem."""
+    filename = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError([f"{filename}:0: (file): {e.strerror or e}"]) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"{filename}:0: (file): not UTF-8 text ({e.reason})"]) from None
+    return loads(text, filename)
+
+
+def loads(text: str, filename: str = "<string>") -> Config:
+    """Validate config text; relative file paths in it resolve against `filename`'s folder."""
+    try:
+        data, lines, problems = _read_yaml(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        line = mark.line + 1 if mark is not None else 1
+        problem = getattr(e, "problem", None) or str(e)
+        context, start = getattr(e, "context", None), getattr(e, "context_mark", None)
+        if context and start is not None and start.line + 1 != line:
+            problem += f" ({context} started on line {start.line + 1})"
+        raise ConfigError([f"{filename}:{line}: (root): invalid YAML: {problem}"]) from None
+    if data is None:
+        raise ConfigError([f"{filename}:1: (root): the file has no config in it"])
+    config = None
+    try:
+        config = Config.model_validate(data, context={"base_dir": Path(filename).parent.absolute()})
+    except ValidationError as e:
+        problems += _problems_from(e, Config)
+    if problems:
+        raise ConfigError(_error_lines(filename, data, lines, problems))
+    assert config is not None
+    return config
+
+
+def _read_yaml(text: str) -> tuple[Any, dict[Loc, int], list[tuple[Loc, str]]]:
+    """The data, the 1-based line where each key path starts, and duplicate-key problems."""
+    loader = yaml.SafeLoader(text)
+    try:
+        root = loader.get_single_node()
+        if root is None:
+            return None, {}, []
+        problems = _duplicate_keys(loader, root)
+        data = loader.construct_document(root)  # also applies `<<` merges to the node tree
+        lines: dict[Loc, int] = {}
+        _record_lines(loader, root, (), lines, set())
+        return data, lines, problems
+    finally:
+        loader.dispose()
+
+
+def _key(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
+    return loader.construct_object(node) if isinstance(node, yaml.ScalarNode) else None
+
+
+def _record_lines(loader: yaml.SafeLoader, node: yaml.Node, loc: Loc,
+                  lines: dict[Loc, int], walking: set[int]) -> None:
+    lines.setdefault(loc, node.start_mark.line + 1)
+    if id(node) in walking:  # an alias that contains itself
+        return
+    walking.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            key = _key(loader, key_node)
+            if key is not None:
+                lines[loc + (key,)] = key_node.start_mark.line + 1
+                _record_lines(loader, value_node, loc + (key,), lines, walking)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _record_lines(loader, item, loc + (i,), lines, walking)
+    walking.discard(id(node))
+
+
+def _duplicate_keys(loader: yaml.SafeLoader, root: yaml.Node) -> list[tuple[Loc, str]]:
+    """PyYAML silently keeps the last of two equal keys; a config must not."""
+    problems: list[tuple[Loc, str]] = []
+    visited: set[int] = set()
+
+    def walk(node: yaml.Node, loc: Loc) -> None:
+        if id(node) in visited:
+            return
+        visited.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            first: dict[Any, int] = {}
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = _key(loader, key_node)
+                if key is not None:
+                    line = key_node.start_mark.line + 1
+                    if key in first:
+                        problems.append((loc + (key,), f"duplicate key (first on line {first[key]})"))
+                    first.setdefault(key, line)
+                walk(value_node, loc + (key,))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                walk(item, loc + (i,))
+
+    walk(root, ())
+    return problems
+
+
+def _problems_from(error: ValidationError, root: type[BaseModel]) -> list[tuple[Loc, str]]:
+    problems: list[tuple[Loc, str]] = []
+    for err in error.errors():
+        loc = tuple(err["loc"])
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, _Problems):
+            problems.extend((loc + sub, msg) for sub, msg in cause.problems)
+            continue
+        if isinstance(cause, _At):
+            loc += cause.key
+        message = _message(err)
+        if err["type"] == "extra_forbidden":
+            model = _model_at(root, loc[:-1])
+            hint = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1) if model else []
+            if hint:
+                message += f" (did you mean '{hint[0]}'?)"
+        problems.append((loc, message))
+    return problems
+
+
+def _message(err: Any) -> str:
+    """Pydantic's wording, cut to the rule."""
+    kind, ctx = err["type"], err.get("ctx") or {}
+    if kind in ("value_error", "assertion_error") and "error" in ctx:
+        return str(ctx["error"])
+    fixed = {
+        "missing": "required key is missing",
+        "extra_forbidden": "unknown key",
+        "int_type": "must be a whole number", "int_parsing": "must be a whole number",
+        "int_from_float": "must be a whole number",
+        "bool_type": "must be true or false", "bool_parsing": "must be true or false",
+        "string_type": "must be a string",
+        "float_type": "must be a number", "float_parsing": "must be a number",
+        "finite_number": "must be a finite number",
+        "model_type": "must be a mapping", "model_attributes_type": "must be a mapping",
+        "dict_type": "must be a mapping",
+        "tuple_type": "must be a list", "list_type": "must be a list",
+        "path_type": "must be a file path",
+    }
+    if kind in fixed:
+        return fixed[kind]
+    if kind == "literal_error":
+        return "must be one of " + ", ".join(re.findall(r"'([^']*)'", ctx.get("expected", "")))
+    if kind == "greater_than_equal":
+        return f"must be at least {ctx['ge']}"
+    if kind == "greater_than":
+        return f"must be more than {ctx['gt']}"
+    if kind == "less_than_equal":
+        return f"must be at most {ctx['le']}"
+    if kind == "less_than":
+        return f"must be less than {ctx['lt']}"
+    if kind == "too_short":
+        n = ctx.get("min_length", 1)
+        return f"needs at least {n} item{'s' if n != 1 else ''}"
+    return re.sub(r"^Value error, ", "", str(err["msg"]))
+
+
+def _model_at(root: type[BaseModel], loc: Loc) -> type[BaseModel] | None:
+    """The model class that validates the value at pydantic location `loc`."""
+    kind: Any = root
+    for part in loc:
+        kind = _unwrap(kind)
+        if isinstance(kind, type) and issubclass(kind, BaseModel) and isinstance(part, str):
+            field = kind.model_fields.get(part)
+            if field is None:
+                return None
+            kind = field.annotation
+        elif get_origin(kind) is tuple and isinstance(part, int):
+            kind = get_args(kind)[0]
+        elif get_origin(kind) is dict:
+            kind = get_args(kind)[1]
+        else:
+            return None
+    kind = _unwrap(kind)
+    return kind if isinstance(kind, type) and issubclass(kind, BaseModel) else None
+
+
+def _unwrap(kind: Any) -> Any:
+    while True:
+        origin = get_origin(kind)
+        if origin is Annotated:
+            kind = get_args(kind)[0]
+        elif origin in (Union, types.UnionType):
+            options = [a for a in get_args(kind) if a is not type(None)]
+            models = [a for a in options if isinstance(a, type) and issubclass(a, BaseModel)]
+            kind = models[0] if models else options[0]
+        else:
+            return kind
+
+
+def _error_lines(filename: str, data: Any, lines: dict[Loc, int],
+                 problems: list[tuple[Loc, str]]) -> list[str]:
+    rows: list[tuple[int, str]] = []
+    for loc, message in problems:
+        loc = _file_loc(loc, data)
+        row = (_line_of(loc, lines), f"{_path(loc)}: {message}")
+        if row not in rows:
+            rows.append(row)
+    rows.sort(key=lambda row: row[0])  # stable: same line keeps pydantic's order
+    return [f"{filename}:{line}: {text}" for line, text in rows]
+
+
+def _file_loc(loc: Loc, data: Any) -> Loc:
+    """Pydantic's location as a path in the file: drop the steps the file doesn't have.
+
+    Those are the models' own wrapping (an endpoint list is `static`, an endpoint string is
+    `{address: ...}`); a last step that names a key the file lacks is a missing key and stays.
+    """
+    path: list[str | int] = []
+    here = data
+    for i, part in enumerate(loc):
+        if isinstance(here, dict) and part in here:
+            path.append(part)
+            here = here[part]
+        elif isinstance(here, list) and isinstance(part, int) and 0 <= part < len(here):
+            path.append(part)
+            here = here[part]
+        elif isinstance(here, dict) and i == len(loc) - 1 and isinstance(part, str):
+            path.append(part)
+    return tuple(path)
+
+
+def _line_of(loc: Loc, lines: dict[Loc, int]) -> int:
+    for n in range(len(loc), -1, -1):
+        if loc[:n] in lines:
+            return lines[loc[:n]]
+    return 1
+
+
+_PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+
+
+def _path(loc: Loc) -> str:
+    """`("listeners", 0, "routes", 2, "retry")` → `listeners[0].routes[2].retry`."""
+    text = ""
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif _PLAIN_KEY.fullmatch(part):
+            text += f".{part}" if text else part
+        else:
+            text += f"[{part!r}]"
+    return text or "(root)"
+
+
+# --------------------------------------------------------------------------------------------
+# Summary for `check-config`
+
+
+def summary(config: Config) -> str:
+    """Listeners → routes → clusters in a few lines, then the effective config with every default."""
+    out: list[str] = []
+    for listener in config.listeners:
+        out.append(f"listener {listener.name} on {listener.listen} "
+                   f"({listener.transport}/{listener.protocol}, service {listener.service})")
+        for i, route in enumerate(listener.routes):
+            out.append(f"  route {i}: {_describe_match(route.match)} -> {_describe_targets(route)}"
+                       f"{_describe_policy(route)}")
+    for cluster in config.clusters:
+        wire = (f"{cluster.transport or 'client framing'}/{cluster.protocol or 'client protocol'}")
+        out.append(f"cluster {cluster.name}: {_describe_endpoints(cluster.endpoints)} "
+                   f"({cluster.load_balancer}, {wire})")
+    if config.admin is not None:
+        out.append(f"admin on {config.admin.listen}"
+                   + (f", health on {config.admin.health_listen}" if config.admin.health_listen else ""))
+    if config.metrics_listen is not None:
+        out.append(f"metrics on {config.metrics_listen}")
+    out.append(f"tracing: {config.tracing.exporter}, sample_ratio {config.tracing.sample_ratio}")
+    effective = yaml.safe_dump(config.effective(), sort_keys=False, default_flow_style=False)
+    return "\n".join(out) + "\n\n# effective config (every default filled in)\n" + effective
+
+
+def _describe_match(match: Match | None) -> str:
+    if match is None:
+        return "every call"
+    tests = []
+    if match.service is not None:
+        tests.append(f"service {match.service}")
+    if match.method is not None:
+        tests.append(f"method {match.method}")
+    for name, header in (match.header or {}).items():
+        if header.exact is not None:
+            tests.append(f"header {name}={header.exact!r}")
+        elif header.regex is not None:
+            tests.append(f"header {name}~{header.regex!r}")
+        else:
+            tests.append(f"header {name} {'present' if header.present else 'absent'}")
+    return ("not " if match.invert else "") + " and ".join(tests)
+
+
+def _describe_targets(route: Route) -> str:
+    if route.weighted is None:
+        return str(route.cluster)
+    return ", ".join(f"{cluster} ({weight})" for cluster, weight in route.targets)
+
+
+def _describe_policy(route: Route) -> str:
+    parts = [f"timeout {format_duration(route.timeout)}" if route.timeout else "no timeout"]
+    if route.retry.attempts > 1:
+        idempotent = route.retry.idempotent
+        which = ("any method" if idempotent is True else "unwritten only" if idempotent is False
+                 else " ".join(idempotent))
+        parts.append(f"{route.retry.attempts} attempts ({which})")
+    return " [" + ", ".join(parts) + "]"
+
+
+def _describe_endpoints(endpoints: Endpoints) -> str:
+    if endpoints.static is not None:
+        return ", ".join(str(e.address) + (f" (weight {e.weight})" if e.weight != 1 else "")
+                         for e in endpoints.static)
+    if endpoints.dns is not None:
+        return f"dns {endpoints.dns.name} every {format_duration(endpoints.dns.refresh)}"
+    return f"file {endpoints.file}"

@@ -1,0 +1,377 @@
+"""Config loading: valid examples, the defaults DESIGN.md promises, units, and exact error lines.
+
+Each file in tests/configs/bad/ states the errors it must produce in `# expect:` comments
+(`{file}` stands for the path given to `load`); the test compares the whole list, in order.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from proxy.config import Address, Config, ConfigError, load, loads, summary
+from proxy.units import (
+    format_duration,
+    format_size,
+    parse_address,
+    parse_duration,
+    parse_size,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "config"
+BAD = Path(__file__).resolve().parent / "configs" / "bad"
+BAD_FILES = sorted(BAD.glob("*.yaml"))
+
+MINIMAL = """\
+listeners:
+  - listen: 127.0.0.1:9090
+    routes: [{cluster: users}]
+clusters:
+  - name: users
+    endpoints: [127.0.0.1:9191]
+"""
+
+
+# ---------------------------------------------------------------------------- valid files
+
+@pytest.mark.parametrize("name", ["example.yaml", "minimal.yaml"])
+def test_example_configs_load(name):
+    cfg = load(EXAMPLES / name)
+    assert cfg.listeners and cfg.clusters
+    assert "effective config" in summary(cfg)
+
+
+def test_example_values_are_read():
+    cfg = load(EXAMPLES / "example.yaml")
+    users = cfg.listeners[0]
+    assert (users.name, users.service) == ("users", "UserService")
+    assert users.listen == Address("127.0.0.1", 9090)
+    assert users.idl == EXAMPLES / "user_service.thrift"  # relative to the config file
+    assert users.oneway_methods == ("log_event",)
+    get, canary, not_admin, default = users.routes
+    assert get.match.method == "get_*" and get.timeout == 2.0 and get.slow_call == 0.1
+    assert get.retry.attempts == 3 and get.retry.idempotent is True
+    assert get.retry.per_try_timeout == 0.5 and get.retry.on_exceptions == (1,)
+    assert canary.targets == (("users", 90), ("users-canary", 10))
+    assert canary.match.header["x-tenant"].regex == "^canary-"
+    assert not_admin.match.invert is True and not_admin.strip_service is True
+    assert default.match is None and default.targets == (("users", 1),)
+    events = cfg.listeners[1]
+    assert (events.transport, events.protocol, events.service) == ("auto", "auto", "events")
+
+    cluster = cfg.cluster("users")
+    assert [(str(e.address), e.weight) for e in cluster.endpoints.static] == [
+        ("127.0.0.1:9191", 1), ("127.0.0.1:9192", 2)]
+    assert cluster.endpoints.kind == "static"
+    assert (cluster.transport, cluster.protocol, cluster.framing) == ("framed", "binary", "framed")
+    assert cluster.health_check.method == "ping"
+    canary_cluster = cfg.cluster("users-canary")
+    assert canary_cluster.endpoints.kind == "dns"
+    assert canary_cluster.endpoints.dns.name == Address("users-canary.internal", 9191)
+    assert canary_cluster.tls.key == EXAMPLES / "client.key"
+    assert cfg.cluster("events").endpoints.file == EXAMPLES / "events-endpoints.yaml"
+    assert cfg.admin.health_listen == Address("0.0.0.0", 9902)
+    assert cfg.tracing.exporter == "otlp" and cfg.reload.watch is True
+    with pytest.raises(KeyError):
+        cfg.cluster("nope")
+
+
+def test_defaults_are_the_documented_ones():
+    cfg = loads(MINIMAL)
+    assert cfg.admin is None and cfg.metrics_listen is None
+    assert (cfg.logging.format, cfg.logging.level, cfg.logging.access_log) == ("json", "info", False)
+    assert cfg.reload.watch is False
+    assert cfg.drain_timeout == 20.0
+    t = cfg.tracing
+    assert (t.exporter, t.service_name, t.sample_ratio, t.otlp_protocol, t.endpoint) == (
+        "none", "thrift-sidecar", 0.01, "grpc", None)
+
+    lis = cfg.listeners[0]
+    assert (lis.name, lis.service) == ("listener0", "listener0")
+    assert (lis.transport, lis.protocol) == ("framed", "binary")
+    assert lis.max_frame_size == 16_384_000
+    assert (lis.max_connections, lis.backlog) == (10000, 1024)
+    assert (lis.request_read_timeout, lis.idle_timeout) == (30.0, 0.0)
+    assert lis.oneway_methods == () and lis.idl is None
+
+    route = lis.routes[0]
+    assert route.match is None and route.strip_service is False
+    assert (route.timeout, route.slow_call, route.retry_buffer) == (0.0, 1.0, 1024 * 1024)
+    assert (route.retry.attempts, route.retry.idempotent, route.retry.per_try_timeout) == (1, False, 0.0)
+    assert route.retry.on_exceptions == ()
+    assert (route.retry.backoff.base, route.retry.backoff.max) == (0.025, 0.25)
+
+    c = cfg.clusters[0]
+    assert (c.transport, c.protocol, c.load_balancer) == (None, None, "least_request")
+    assert c.connect_timeout == 0.25
+    assert (c.max_reply_size, c.stream_threshold) == (16_384_000, 1024 * 1024)
+    assert (c.pool.max_connections, c.pool.idle_timeout, c.pool.acquire_timeout) == (64, 30.0, 1.0)
+    assert (c.limits.max_pending, c.limits.max_requests, c.limits.max_retries) == (256, 1024, 16)
+    b = c.circuit_breaker
+    assert (b.consecutive_failures, b.failure_rate, b.window, b.min_calls) == (5, 0.5, 10.0, 20)
+    assert (b.open_for, b.max_open_for, b.half_open_probes, b.max_open_percent) == (5.0, 300.0, 1, 50)
+    assert c.health_check is None and c.tls is None
+    assert (c.retry_budget.ratio, c.retry_budget.min_per_second, c.retry_budget.window) == (0.2, 10.0, 10.0)
+
+
+def test_section_defaults():
+    cfg = loads(MINIMAL + "admin: {}\ntracing: {path: spans.jsonl}\n")
+    assert cfg.admin.listen == Address("127.0.0.1", 9901) and cfg.admin.allow_remote is False
+    assert cfg.tracing.exporter == "otlp"  # a tracing section without exporter means otlp
+    assert cfg.tracing.path == Path("spans.jsonl")  # output file: left relative to the cwd
+    hc = loads(MINIMAL + "    transport: header\n    protocol: compact\n    health_check: {}\n")
+    assert (hc.clusters[0].health_check.interval, hc.clusters[0].health_check.timeout) == (5.0, 1.0)
+
+
+def test_effective_config_loads_back_to_the_same_config():
+    cfg = load(EXAMPLES / "example.yaml")
+    dumped = cfg.effective()
+    assert dumped["clusters"][0]["connect_timeout"] == "250ms"
+    assert dumped["clusters"][0]["endpoints"][1] == {"address": "127.0.0.1:9192", "weight": 2}
+    assert dumped["clusters"][1]["endpoints"] == {
+        "dns": {"name": "users-canary.internal:9191", "refresh": "5s"}}
+    assert dumped["listeners"][0]["routes"][0]["retry_buffer"] == "1MiB"
+    again = loads(yaml.safe_dump(dumped), str(EXAMPLES / "dumped.yaml"))
+    assert again == cfg
+
+
+def test_summary_prints_routes_and_effective_defaults():
+    text = summary(loads(MINIMAL))
+    assert "listener listener0 on 127.0.0.1:9090 (framed/binary, service listener0)" in text
+    assert "route 0: every call -> users" in text
+    assert "cluster users: 127.0.0.1:9191" in text
+    effective = yaml.safe_load(text.split("# effective config (every default filled in)\n")[1])
+    assert effective["clusters"][0]["pool"] == {
+        "max_connections": 64, "idle_timeout": "30s", "acquire_timeout": "1s"}
+    assert effective["listeners"][0]["max_frame_size"] == 16384000
+
+
+def test_config_is_frozen():
+    cfg = loads(MINIMAL)
+    with pytest.raises(ValidationError):
+        cfg.listeners[0].routes[0].retry.attempts = 5
+    with pytest.raises(ValidationError):
+        cfg.drain_timeout = 1.0
+
+
+def test_relative_input_paths_resolve_against_the_config_folder(tmp_path):
+    conf = tmp_path / "etc" / "sidecar.yaml"
+    conf.parent.mkdir()
+    conf.write_text(MINIMAL.replace("[127.0.0.1:9191]", "{file: eps/users.yaml}")
+                    + "    tls: {ca: /abs/ca.pem}\n")
+    cfg = load(conf)
+    assert cfg.clusters[0].endpoints.file == tmp_path / "etc" / "eps" / "users.yaml"
+    assert cfg.clusters[0].tls.ca == Path("/abs/ca.pem")
+
+
+def test_port_zero_listeners_never_clash():
+    cfg = loads("""\
+listeners:
+  - listen: 127.0.0.1:0
+    routes: [{cluster: users}]
+  - listen: 127.0.0.1:0
+    routes: [{cluster: users}]
+clusters: [{name: users, endpoints: [127.0.0.1:9191]}]
+""")
+    assert [(lis.name, lis.listen.port) for lis in cfg.listeners] == [("listener0", 0), ("listener1", 0)]
+
+
+def test_validating_a_dict_directly_also_checks_references():
+    data = yaml.safe_load(MINIMAL)
+    data["listeners"][0]["routes"][0]["cluster"] = "nope"
+    with pytest.raises(ValidationError, match="cluster 'nope' is not defined"):
+        Config.model_validate(data)
+
+
+def test_unreadable_file_is_a_config_error(tmp_path):
+    missing = tmp_path / "missing.yaml"
+    with pytest.raises(ConfigError) as info:
+        load(missing)
+    assert info.value.errors == [f"{missing}:0: (file): No such file or directory"]
+
+
+# ---------------------------------------------------------------------------- bad files
+
+def test_there_are_enough_bad_configs():
+    assert len(BAD_FILES) >= 12
+
+
+@pytest.mark.parametrize("path", BAD_FILES, ids=[p.stem for p in BAD_FILES])
+def test_bad_config_reports_exactly_the_expected_errors(path):
+    expected = [line.removeprefix("# expect: ").rstrip("\n").replace("{file}", str(path))
+                for line in path.read_text().splitlines() if line.startswith("# expect: ")]
+    assert expected, f"{path.name} has no '# expect:' line"
+    with pytest.raises(ConfigError) as info:
+        load(path)
+    assert info.value.errors == expected
+    assert str(info.value) == "\n".join(expected)
+
+
+ROUTE = "[{cluster: users}]"
+ENDPOINTS = "[127.0.0.1:9191]"
+
+
+@pytest.mark.parametrize("old, new, errors", [
+    (ENDPOINTS, "127.0.0.1:9191", ["6: clusters[0].endpoints: must be a list of host:port, "
+                                   "or {dns: {name: host:port}} or {file: path}"]),
+    (ENDPOINTS, "[]", ["6: clusters[0].endpoints: needs at least one endpoint"]),
+    (ENDPOINTS, "[a:1, b:2, a:1]", ["6: clusters[0].endpoints[2]: duplicate endpoint a:1"]),
+    (ENDPOINTS, "[9191, {address: 'x:1', weight: 0}, {adress: 'y:2'}]", [
+        "6: clusters[0].endpoints[0]: endpoint must be host:port or {address: host:port, weight: N}",
+        "6: clusters[0].endpoints[1].weight: must be at least 1",
+        "6: clusters[0].endpoints[2].address: required key is missing",
+        "6: clusters[0].endpoints[2].adress: unknown key (did you mean 'address'?)"]),
+    (ENDPOINTS, "{dns: {name: users, refresh: 0s}}", [
+        "6: clusters[0].endpoints.dns.name: address must look like host:port or [::1]:port",
+        "6: clusters[0].endpoints.dns.refresh: must be more than 0s"]),
+    (ROUTE, "[{cluster: users, retry: {idempotent: 'yes', on_exceptions: [0]}}]", [
+        "3: listeners[0].routes[0].retry.idempotent: must be true, false or a list of method globs",
+        "3: listeners[0].routes[0].retry.on_exceptions[0]: must be a result field id (1-32767) "
+        "or an exception name"]),
+    (ROUTE, "[{cluster: users, match: {header: {a: 5, b: {exact: x, present: true}}}}]", [
+        "3: listeners[0].routes[0].match.header.a: must be a string, or {exact: ...}, {regex: ...} "
+        "or {present: true}",
+        "3: listeners[0].routes[0].match.header.b: needs exactly one of exact, regex or present"]),
+    (ROUTE, "[{cluster: users, match: {invert: true}}]", [
+        "3: listeners[0].routes[0].match: needs method, service or header "
+        "(leave match out for the default route)"]),
+    (ROUTE, "[{weighted: [{cluster: users, weight: 0}]}]",
+     ["3: listeners[0].routes[0].weighted: weights must add up to more than 0"]),
+    (ROUTE, "[{timeout: 1s}]", ["3: listeners[0].routes[0].cluster: a route needs cluster or weighted"]),
+    (ROUTE, "[{cluster: users, retry: {backoff: {base: 1s, max: 10ms}}}]",
+     ["3: listeners[0].routes[0].retry.backoff.max: must be at least base (1s)"]),
+    (ROUTE, "[{cluster: users, retry_buffer: 1.5B}]",
+     ["3: listeners[0].routes[0].retry_buffer: size must be a whole number of bytes, not 1.5"]),
+    ("name: users\n", "name: users\n    tls: {cert: c.pem}\n",
+     ["6: clusters[0].tls.key: cert and key go together"]),
+    ("name: users\n", "name: users\n    pool: {max_connections: true}\n",
+     ["6: clusters[0].pool.max_connections: must be a whole number"]),
+    ("name: users\n", "name: users\n    circuit_breaker: {open_for: 10s, max_open_for: 5s}\n",
+     ["6: clusters[0].circuit_breaker.max_open_for: must be at least open_for (10s)"]),
+    ("name: users\n", "name: users\n    max_reply_size: 0\n",
+     ["6: clusters[0].max_reply_size: must be 1-2147483647 bytes"]),
+    ("clusters:", "admin: {listen: '127.0.0.1:9090'}\nclusters:",
+     ["2: listeners[0].listen: 127.0.0.1:9090 is already used by admin.listen"]),
+    ("clusters:", "listner: 1\nclusters:", ["4: listner: unknown key (did you mean 'listeners'?)"]),
+])
+def test_rule_errors(old, new, errors):
+    assert old in MINIMAL
+    with pytest.raises(ConfigError) as info:
+        loads(MINIMAL.replace(old, new), "x.yaml")
+    assert info.value.errors == [f"x.yaml:{e}" for e in errors]
+
+
+def test_admin_may_listen_remotely_when_allowed():
+    cfg = loads(MINIMAL + "admin: {listen: '0.0.0.0:9901', allow_remote: true}\n")
+    assert cfg.admin.listen == Address("0.0.0.0", 9901)
+
+
+# ---------------------------------------------------------------------------- units
+
+@pytest.mark.parametrize("text, seconds", [
+    ("250ms", 0.25), ("2s", 2.0), ("1m", 60.0), ("1.5s", 1.5), ("0s", 0.0), ("500us", 0.0005),
+    ("1h", 3600.0), ("1m30s", 90.0), (".5s", 0.5), ("1.7ms", 0.0017), ("300", 300.0),
+    (0, 0.0), (5, 5.0), (0.25, 0.25),
+])
+def test_parse_duration(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("value, message", [
+    ("250", None), ("2 seconds", "duration must look like 250ms, 2s or 1m"),
+    ("1d", "duration must look like 250ms, 2s or 1m"), ("ms", "duration must look like 250ms, 2s or 1m"),
+    ("", "duration must look like 250ms, 2s or 1m"), (True, "duration must look like 250ms, 2s or 1m"),
+    (None, "duration must look like 250ms, 2s or 1m"), (math.inf, "duration must look like 250ms, 2s or 1m"),
+    ("-1s", "duration must not be negative"), (-3, "duration must not be negative"),
+])
+def test_parse_duration_rejects(value, message):
+    if message is None:  # a plain number string is seconds: guards the table above
+        assert parse_duration(value) == 250.0
+        return
+    with pytest.raises(ValueError) as info:
+        parse_duration(value)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("seconds, text", [
+    (0.0, "0s"), (0.25, "250ms"), (2.0, "2s"), (60.0, "1m"), (1.5, "1.5s"), (90.0, "90s"),
+    (300.0, "5m"), (0.0005, "500us"), (0.0017, "1.7ms"),
+])
+def test_format_duration(seconds, text):
+    assert format_duration(seconds) == text
+
+
+@given(st.floats(min_value=0, max_value=1e9, allow_nan=False, allow_infinity=False))
+def test_format_duration_parses_back_exactly(seconds):
+    assert parse_duration(format_duration(seconds)) == seconds
+
+
+@pytest.mark.parametrize("value, size", [
+    (16384000, 16384000), ("16384000", 16384000), ("16MiB", 16 * 1024**2), ("1KiB", 1024),
+    ("512KB", 512_000), ("1MB", 1_000_000), ("1GiB", 1024**3), ("1.5KiB", 1536), ("10B", 10), (0, 0),
+])
+def test_parse_size(value, size):
+    assert parse_size(value) == size
+
+
+@pytest.mark.parametrize("value, message", [
+    ("16 megs", "size must be a whole number of bytes or look like 512KB or 16MiB"),
+    ("1mb", "size must be a whole number of bytes or look like 512KB or 16MiB"),
+    (1.5, "size must be a whole number of bytes or look like 512KB or 16MiB"),
+    (True, "size must be a whole number of bytes or look like 512KB or 16MiB"),
+    ("1.5B", "size must be a whole number of bytes, not 1.5"),
+    (-1, "size must not be negative"),
+])
+def test_parse_size_rejects(value, message):
+    with pytest.raises(ValueError) as info:
+        parse_size(value)
+    assert str(info.value) == message
+
+
+@given(st.integers(min_value=0, max_value=2**40))
+def test_format_size_parses_back_exactly(size):
+    assert parse_size(format_size(size)) == size
+
+
+@pytest.mark.parametrize("text, zero, address", [
+    ("127.0.0.1:9090", False, Address("127.0.0.1", 9090)),
+    ("[::1]:9090", False, Address("::1", 9090)),
+    ("users.internal:1", False, Address("users.internal", 1)),
+    ("0.0.0.0:0", True, Address("0.0.0.0", 0)),
+])
+def test_parse_address(text, zero, address):
+    parsed = parse_address(text, allow_port_zero=zero)
+    assert parsed == address and (parsed.host, parsed.port) == address
+    assert str(parsed) == text
+
+
+@pytest.mark.parametrize("text, zero, message", [
+    ("127.0.0.1:0", False, "port must be 1-65535"),
+    ("127.0.0.1:65536", True, "port must be 0-65535"),
+    ("127.0.0.1:http", False, "port must be 1-65535"),
+    ("127.0.0.1", False, "address must look like host:port or [::1]:port"),
+    (":9090", False, "address must look like host:port or [::1]:port"),
+    (9090, False, "address must look like host:port or [::1]:port"),
+    ("::1:9090", False, "write IPv6 addresses in brackets, like [::1]:9090"),
+    ("[nope]:9090", False, "'nope' is not an IPv6 address"),
+    ("bad host:9090", False, "'bad host' is not a host name or IP address"),
+])
+def test_parse_address_rejects(text, zero, message):
+    with pytest.raises(ValueError) as info:
+        parse_address(text, allow_port_zero=zero)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("address, loopback", [
+    ("127.0.0.1:1", True), ("127.3.0.1:1", True), ("[::1]:1", True), ("localhost:1", True),
+    ("0.0.0.0:1", False), ("10.0.0.1:1", False), ("[::]:1", False), ("example.com:1", False),
+])
+def test_address_loopback(address, loopback):
+    assert parse_address(address).is_loopback is loopback
