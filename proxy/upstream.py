@@ -1,4 +1,4 @@
-"""One upstream connection: one exchange at a time, the reply framed and its seqid checked.
+r"""One upstream connection: one exchange at a time, the reply framed and its seqid checked.
 
 The client's seqid travels unchanged (no rewriting), so a reply whose seqid
 differs is a bad reply. Bytes that arrive while no exchange is under way mean

@@ -140,7 +140,7 @@ class Handler:
 
 
 def _protocol_factory(framing: str, protocol: str):
-    if framing == "header":
+    if framing in ("header", "framed_header"):
         return THeaderProtocol.THeaderProtocolFactory(
             HEADER_TYPES, default_protocol=2 if protocol == "compact" else 0)
     if protocol == "compact":
@@ -151,7 +151,7 @@ def _protocol_factory(framing: str, protocol: str):
 
 
 def _wrap_transport(framing: str, trans):
-    if framing == "framed":
+    if framing in ("framed", "framed_header"):
         return TTransport.TFramedTransport(trans)
     if framing == "buffered":
         return TTransport.TBufferedTransport(trans)
@@ -243,6 +243,10 @@ class ThriftServer:
         """Close the listener and every connection (the upstream is down)."""
         self._running = False
         if self._lsock is not None:
+            try:  # wakes the thread blocked in accept(); close() alone leaves it listening
+                self._lsock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self._lsock.close()
             self._lsock = None
         with self._lock:
@@ -268,7 +272,7 @@ class Client:
         self.sock = TSocket.TSocket(host, port)
         self.sock.setTimeout(timeout * 1000)
         self.trans = _wrap_transport(framing, self.sock)
-        if framing == "header":
+        if framing in ("header", "framed_header"):
             prot = THeaderProtocol.THeaderProtocol(self.trans, HEADER_TYPES,
                                                    default_protocol=2 if protocol == "compact" else 0)
             for k, v in (headers or {}).items():
@@ -429,3 +433,57 @@ class ProxyProcess:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+# -- raw wire helpers (seqid-level checks) ----------------------------------------------------
+
+
+def request_bytes(framing: str, protocol: str, method: str, *args, seqid: int = 1,
+                  service: str | None = None) -> bytes:
+    """The exact bytes a generated client writes for `method(*args)`."""
+    buf = TTransport.TMemoryBuffer()
+    if framing in ("header", "framed_header"):
+        trans = TTransport.TFramedTransport(buf) if framing == "framed_header" else buf
+        prot = THeaderProtocol.THeaderProtocol(trans, HEADER_TYPES, default_protocol=2 if protocol == "compact" else 0)
+    else:
+        trans = _wrap_transport(framing, buf)
+        prot = _protocol_factory(framing, protocol).getProtocol(trans)
+    if service is not None:
+        prot = TMultiplexedProtocol.TMultiplexedProtocol(prot, service)
+    cls = AdminService.Client if service == "AdminService" else TestService.Client
+    c = cls(prot)
+    c._seqid = seqid
+    getattr(c, "send_" + method)(*args)
+    return buf.getvalue()
+
+
+def read_messages(sock: socket.socket, count: int, framing=None, protocol=None, timeout: float = 10.0):
+    """Read `count` messages from a raw socket with the proxy's own decoder."""
+    from proxy.codec import Decoder, Framing, Protocol
+
+    dec = Decoder(Framing(framing) if framing else None, Protocol(protocol) if protocol else None)
+    out = []
+    sock.settimeout(timeout)
+    while len(out) < count:
+        m = dec.next_message()
+        if m is not None:
+            out.append(m)
+            continue
+        data = sock.recv(1 << 20)
+        if not data:
+            raise EOFError(f"closed after {len(out)} of {count} messages")
+        dec.feed(data)
+    return out
+
+
+def app_exception(msg):
+    """Decode the TApplicationException carried by an EXCEPTION message."""
+    from thrift.Thrift import TApplicationException
+
+    payload = bytes(msg.payload())
+    prot_cls = TCompactProtocol.TCompactProtocol if msg.protocol.value == "compact" else TBinaryProtocol.TBinaryProtocol
+    p = prot_cls(TTransport.TMemoryBuffer(payload))
+    p.readMessageBegin()
+    x = TApplicationException()
+    x.read(p)
+    return x

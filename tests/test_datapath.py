@@ -1,0 +1,369 @@
+"""The data path through real sockets: generated Apache Thrift clients and servers, every framing × protocol."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+from thrift.Thrift import TApplicationException
+
+from harness import (
+    FRAMINGS,
+    PROTOCOLS,
+    NotFound,
+    Proxy,
+    ThriftServer,
+    Unavailable,
+    app_exception,
+    client,
+    config_text,
+    everything,
+    read_messages,
+    request_bytes,
+)
+from proxy.codec import MessageType
+
+BIG = 15_000_000
+
+
+def _exercise(port: int, framing: str, protocol: str, service: str | None = None) -> list:
+    """A fixed series of calls; returns their results (exceptions as (type, fields))."""
+    out = []
+    with client(port, framing, protocol, service=service) as c:
+        c.ping()
+        out.append(c.roundtrip(everything()))
+        out.append(len(c.get_users(200, 0)))
+        out.append(c.lookup("k"))
+        for key in ("missing", "down"):
+            try:
+                c.lookup(key)
+                out.append("no exception")
+            except (NotFound, Unavailable) as e:
+                out.append((type(e).__name__, vars(e)))
+        c.log_event("ev-" + framing + protocol)
+        out.append(c.count("ev-" + framing + protocol) >= 1)
+        big = bytes(range(256)) * (BIG // 256)
+        out.append(c.echo(big) == big)
+    return out
+
+
+MATRIX = [(f, p) for f in FRAMINGS for p in PROTOCOLS] + [("framed_header", p) for p in PROTOCOLS]
+
+
+@pytest.mark.parametrize("framing,protocol", MATRIX)
+def test_matrix_replies_equal_direct(framing, protocol):
+    up = ThriftServer(framing, protocol)
+    listener_transport = "header" if framing == "framed_header" else framing
+    try:
+        direct = _exercise(up.port, framing, protocol)
+        with Proxy(config_text([up.address], transport=listener_transport, protocol=protocol)) as p:
+            proxied = _exercise(p.port(), framing, protocol)
+    finally:
+        up.stop()
+    assert proxied == direct
+    assert direct[0] == everything() and direct[1] == 200 and direct[-1] is True
+
+
+@pytest.mark.parametrize("framing,protocol", [("framed", "binary"), ("buffered", "compact"), ("header", "binary")])
+def test_auto_listener_detects_framing_and_protocol(framing, protocol):
+    up = ThriftServer(framing, protocol)
+    try:
+        with Proxy(config_text([up.address], transport="auto", protocol="auto")) as p:
+            with client(p.port(), framing, protocol) as c:
+                assert c.roundtrip(everything()) == everything()
+                assert c.lookup("x") == "upstream:x"
+    finally:
+        up.stop()
+
+
+@pytest.mark.parametrize("client_framing,upstream_framing", [
+    ("buffered", "framed"), ("framed", "buffered"), ("framed", "header"), ("header", "framed"),
+    ("framed_header", "header"),
+])
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_framing_translation(client_framing, upstream_framing, protocol):
+    up = ThriftServer(upstream_framing, protocol)
+    listener = "header" if client_framing == "framed_header" else client_framing
+    try:
+        text = config_text([up.address], transport=listener, protocol=protocol,
+                           cluster_transport=upstream_framing)
+        with Proxy(text) as p:
+            with client(p.port(), client_framing, protocol) as c:
+                assert c.roundtrip(everything()) == everything()
+                with pytest.raises(NotFound):
+                    c.lookup("missing")
+                assert len(c.get_users(5499, 0)) == 5499
+    finally:
+        up.stop()
+
+
+def test_multiplexed_services_through_the_proxy():
+    up = ThriftServer("framed", "binary", multiplexed=True)
+    try:
+        with Proxy(config_text([up.address])) as p:
+            with client(p.port(), service="TestService") as c:
+                assert c.roundtrip(everything()) == everything()
+            with client(p.port(), service="AdminService") as a:
+                assert a.add(2, 3) == 5
+    finally:
+        up.stop()
+
+
+def test_request_split_across_many_small_reads():
+    up = ThriftServer("buffered", "compact")
+    try:
+        with Proxy(config_text([up.address], transport="buffered", protocol="compact")) as p:
+            req = request_bytes("buffered", "compact", "roundtrip", everything(), seqid=41)
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                for i in range(0, len(req), 7):
+                    s.sendall(req[i:i + 7])
+                    time.sleep(0.0005)
+                (reply,) = read_messages(s, 1, "buffered", "compact")
+            assert reply.seqid == 41 and reply.type == MessageType.REPLY and reply.name == "roundtrip"
+            assert reply.result_field() == 0
+    finally:
+        up.stop()
+
+
+def test_pipelined_requests_answered_in_request_order():
+    up = ThriftServer("framed", "binary")
+    try:
+        with Proxy(config_text([up.address])) as p:
+            # Later requests finish first: replies must still come back in request order.
+            reqs = b"".join(request_bytes("framed", "binary", "sleep", ms, seqid=100 + i)
+                            for i, ms in enumerate([120, 80, 40, 0]))
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(reqs)
+                replies = read_messages(s, 4, "framed", "binary")
+            assert [r.seqid for r in replies] == [100, 101, 102, 103]
+            assert all(r.type == MessageType.REPLY for r in replies)
+            assert up.connections >= 2  # they really ran concurrently upstream
+    finally:
+        up.stop()
+
+
+def test_proxy_error_read_by_multiplexed_client():
+    up = ThriftServer("framed", "binary", multiplexed=True)
+    text = config_text([up.address]).replace(
+        "    routes:\n      - cluster: up", "    routes:\n      - match: {service: TestService}\n        cluster: up")
+    try:
+        with Proxy(text) as p:
+            with client(p.port(), service="AdminService") as a:
+                with pytest.raises(TApplicationException) as ei:
+                    a.add(1, 2)
+                assert ei.value.type == TApplicationException.UNKNOWN_METHOD
+                assert ei.value.message.startswith("thrift-sidecar: no route:")
+                assert "AdminService:add" in ei.value.message and "listener 'test'" in ei.value.message
+            # raw: bare method name and the client's seqid
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(request_bytes("framed", "binary", "add", 1, 2, seqid=9, service="AdminService"))
+                (r,) = read_messages(s, 1)
+            assert (r.name, r.seqid, r.type) == ("add", 9, MessageType.EXCEPTION)
+    finally:
+        up.stop()
+
+
+@pytest.mark.parametrize("framing,protocol", [("framed", "binary"), ("buffered", "compact"), ("header", "binary")])
+@pytest.mark.parametrize("service", [None, "TestService"])
+def test_upstream_down_not_sent_then_recovers(framing, protocol, service):
+    up = ThriftServer(framing, protocol, multiplexed=service is not None)
+    port = up.port
+    up.stop()
+    try:
+        with Proxy(config_text([f"127.0.0.1:{port}"], transport=framing, protocol=protocol)) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(request_bytes(framing, protocol, "ping", seqid=77, service=service))
+                (r,) = read_messages(s, 1, framing, protocol)
+                assert (r.name, r.seqid, r.type) == ("ping", 77, MessageType.EXCEPTION)
+                x = app_exception(r)
+                assert x.type == TApplicationException.INTERNAL_ERROR
+                assert x.message.startswith("thrift-sidecar: not sent: connect to 127.0.0.1:")
+                # the same connection works once the upstream is back
+                up.port = port
+                up.start()
+                s.sendall(request_bytes(framing, protocol, "lookup", "a", seqid=78, service=service))
+                (r2,) = read_messages(s, 1, framing, protocol)
+                assert (r2.name, r2.seqid, r2.type) == ("lookup", 78, MessageType.REPLY)
+            with client(p.port(), framing, protocol, service=service) as c:
+                assert c.lookup("b") == "upstream:b"
+    finally:
+        up.stop()
+
+
+def test_generated_client_reads_not_sent_error():
+    up = ThriftServer()
+    port = up.port
+    up.stop()
+    with Proxy(config_text([f"127.0.0.1:{port}"])) as p:
+        with client(p.port()) as c:
+            with pytest.raises(TApplicationException) as ei:
+                c.ping()
+            assert ei.value.type == TApplicationException.INTERNAL_ERROR
+            assert ei.value.message.startswith("thrift-sidecar: not sent:")
+
+
+def test_upstream_closing_idle_connections_is_noticed():
+    """The upstream closes idle connections after 100 ms: no call fails, none runs twice."""
+    up = ThriftServer(idle_close=0.1)
+    try:
+        with Proxy(config_text([up.address])) as p:
+            with client(p.port()) as c:
+                for i in range(5):
+                    assert c.incr("once") == i + 1
+                    time.sleep(0.2)
+            assert up.handler.counts["once"] == 5
+            assert up.connections >= 5  # each call after idleness needed a new connection
+    finally:
+        up.stop()
+
+
+def test_upstream_lost_after_write_is_may_have_run():
+    up = ThriftServer()
+    try:
+        with Proxy(config_text([up.address])) as p:
+            with client(p.port()) as c:
+                c.ping()
+                t = threading.Timer(0.1, up.stop)
+                t.start()
+                with pytest.raises(TApplicationException) as ei:
+                    c.sleep(2000)
+                t.join()
+                assert ei.value.type == TApplicationException.INTERNAL_ERROR
+                assert ei.value.message.startswith("thrift-sidecar: may have run: connection to 127.0.0.1:")
+    finally:
+        up.stop()
+
+
+def test_oneway_is_forwarded_and_never_answered():
+    up = ThriftServer()
+    try:
+        with Proxy(config_text([up.address])) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(request_bytes("framed", "binary", "log_event", "ow1", seqid=5)
+                          + request_bytes("framed", "binary", "count", "ow1", seqid=6))
+                (r,) = read_messages(s, 1)
+                assert r.seqid == 6  # the only reply is the call's
+                s.settimeout(0.3)
+                with pytest.raises(socket.timeout):
+                    s.recv(1)
+    finally:
+        up.stop()
+    assert up.handler.events == ["ow1"]
+
+
+def test_oneway_methods_sent_as_call_do_not_block():
+    """A client that sends a oneway method as CALL (like Apache Thrift Go) is not left waiting."""
+    up = ThriftServer()
+    try:
+        text = config_text([up.address], extra_listener="\n    oneway_methods: [log_event]")
+        with Proxy(text) as p:
+            call_bytes = bytearray(request_bytes("framed", "binary", "log_event", "as-call", seqid=3))
+            call_bytes[4 + 3] = MessageType.CALL  # the type byte of the strict binary head
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(bytes(call_bytes) + request_bytes("framed", "binary", "count", "as-call", seqid=4))
+                (r,) = read_messages(s, 1, timeout=5)
+            assert r.seqid == 4 and r.type == MessageType.REPLY
+    finally:
+        up.stop()
+
+
+def test_tcp_nodelay_set_by_our_code_on_both_legs(monkeypatch):
+    import proxy.listener
+    import proxy.sockets
+    import proxy.upstream
+
+    seen = []
+    real = proxy.sockets.set_nodelay
+
+    def counting(sock):
+        seen.append(sock.getsockname())
+        return real(sock)
+
+    monkeypatch.setattr(proxy.listener, "set_nodelay", counting)
+    monkeypatch.setattr(proxy.upstream, "set_nodelay", counting)
+    up = ThriftServer()
+    try:
+        with Proxy(config_text([up.address])) as p:
+            with client(p.port()) as c:
+                c.ping()
+                (conn,) = p.server.listeners["test"].connections
+                accepted = conn.transport.get_extra_info("socket")
+                (ep,) = p.server.clusters["up"].endpoints
+                (pool,) = ep.pools.values()
+                dialed = pool.idle[0].transport.get_extra_info("socket")
+                assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+                assert dialed.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+                assert accepted.getsockname() in seen and dialed.getsockname() in seen
+    finally:
+        up.stop()
+
+
+def test_set_nodelay_helper_sets_the_option():
+    from proxy.sockets import nodelay_of, set_nodelay
+
+    with socket.socket() as s:
+        assert nodelay_of(s) is False
+        assert set_nodelay(s) is True
+        assert nodelay_of(s) is True
+
+
+def test_max_connections_refuses_the_excess():
+    up = ThriftServer()
+    try:
+        with Proxy(config_text([up.address], extra_listener="\n    max_connections: 2")) as p:
+            with client(p.port()) as a, client(p.port()) as b:
+                a.ping()
+                b.ping()
+                with pytest.raises(Exception):
+                    with client(p.port(), timeout=2) as c:
+                        c.ping()
+                a.ping()
+    finally:
+        up.stop()
+
+
+def test_request_read_timeout_applies_only_to_started_requests():
+    up = ThriftServer()
+    try:
+        text = config_text([up.address], extra_listener="\n    request_read_timeout: 300ms")
+        with Proxy(text) as p:
+            with client(p.port()) as idle:
+                idle.ping()
+                time.sleep(0.6)  # idle between calls: left alone
+                idle.ping()
+            req = request_bytes("framed", "binary", "ping", seqid=12)
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(req[:-1])  # the head is complete, the body is not
+                t0 = time.monotonic()
+                (r,) = read_messages(s, 1)
+                waited = time.monotonic() - t0
+                assert r.seqid == 12 and r.type == MessageType.EXCEPTION
+                x = app_exception(r)
+                assert x.type == TApplicationException.PROTOCOL_ERROR
+                assert "request_read_timeout" in x.message
+                assert 0.25 < waited < 2.0
+                s.settimeout(5)
+                assert s.recv(100) == b""  # then closed
+    finally:
+        up.stop()
+
+
+def test_oversized_frame_refused_with_protocol_error():
+    up = ThriftServer()
+    try:
+        with Proxy(config_text([up.address], extra_listener="\n    max_frame_size: 1000")) as p:
+            req = request_bytes("framed", "binary", "echo", b"x" * 5000, seqid=33)
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(req)
+                (r,) = read_messages(s, 1)
+                assert (r.name, r.seqid) == ("echo", 33)
+                x = app_exception(r)
+                assert x.type == TApplicationException.PROTOCOL_ERROR
+                assert x.message.startswith("thrift-sidecar: bad request: frame of")
+            with client(p.port()) as c:  # other clients unaffected
+                c.ping()
+    finally:
+        up.stop()
