@@ -209,28 +209,6 @@ class Server:
 # --- fixtures ------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def go_client(tmp_path_factory) -> str:
-    path = os.environ.get("SIDECAR_GO_CLIENT")
-    if path:
-        assert os.access(path, os.X_OK), f"SIDECAR_GO_CLIENT={path} is not an executable"
-        return path
-    if shutil.which("go") is None or shutil.which("thrift") is None:
-        pytest.skip("Go client: needs `go` and `thrift` on PATH (or SIDECAR_GO_CLIENT)")
-    cache = tmp_path_factory.mktemp("go-client-cache")
-    out = cache / "bin" / "sidecar-test-client"
-    proc = subprocess.run(
-        [str(BUILD_SH), str(out)],
-        env={**os.environ, "CACHE": str(cache)},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode != 0:
-        pytest.fail(f"build.sh failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return str(out)
-
-
 @pytest.fixture
 def make_server():
     servers: list[Server] = []
