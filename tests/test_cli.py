@@ -1,0 +1,68 @@
+"""The command line as a user meets it: check-config exit codes, `run -c` serving and draining."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+from harness import ROOT, ProxyProcess, ThriftServer, client, config_text, free_port
+
+
+def _cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "proxy", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=60)
+
+
+def test_check_config_valid_exits_0_with_summary():
+    r = _cli("check-config", "config/example.yaml")
+    assert r.returncode == 0, r.stderr
+    assert "listener" in r.stdout and "max_frame_size" in r.stdout  # effective defaults are printed
+
+
+def test_check_config_invalid_exits_2_with_file_line_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("listeners:\n  - listen: 127.0.0.1:70000\n    routes:\n      - cluster: nope\n")
+    r = _cli("check-config", str(bad))
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert f"{bad}:2: listeners[0].listen: port must be 0-65535" in lines[0], r.stderr
+    assert any(line.startswith(f"{bad}:4: listeners[0].routes[0].cluster:") and "nope" in line
+               for line in lines), r.stderr
+
+
+def test_check_config_missing_file_exits_2(tmp_path):
+    r = _cli("check-config", str(tmp_path / "absent.yaml"))
+    assert r.returncode == 2 and "absent.yaml" in r.stderr
+
+
+def test_run_bad_config_exits_2(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("listeners: []\n")
+    r = _cli("run", "-c", str(bad))
+    assert r.returncode == 2 and "bad.yaml:1: listeners" in r.stderr
+
+
+def test_run_serves_then_drains_on_sigterm():
+    up = ThriftServer()
+    port = free_port()
+    try:
+        with ProxyProcess(config_text([up.address], listen_port=port) + "drain_timeout: 5s\n", [port]) as p:
+            with client(port) as c:
+                assert c.lookup("x") == "upstream:x"
+            t0 = time.monotonic()
+            rc = p.stop(signal.SIGTERM)
+            assert rc == 0, p.output()
+            assert time.monotonic() - t0 < 5
+    finally:
+        up.stop()
+
+
+def test_python_dash_m_and_console_script_agree():
+    r1 = _cli("--help")
+    exe = ROOT / ".venv" / "bin" / "thrift-sidecar"
+    assert r1.returncode == 0 and "check-config" in r1.stdout
+    if exe.exists():
+        r2 = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=30)
+        assert r2.stdout.replace("thrift-sidecar", "X") == r1.stdout.replace("thrift-sidecar", "X")
