@@ -22,11 +22,14 @@ from time import monotonic_ns
 from proxy.codec import AppErrorType, Decoder, Framing, Head, MessageType, Protocol, ProtocolError, exception_reply
 from proxy.calls import Call
 from proxy.pipeline import PREFIX
-from proxy.sockets import set_nodelay
+from proxy.sockets import set_nodelay, unacked_bytes
 
 log = logging.getLogger(__name__)
 
 LINGER = 2.0  # seconds a closing connection keeps reading (and discarding) so its reply is read
+ACK_POLL_FIRST = 0.001  # then doubling, up to ACK_POLL_MAX, while a reply is not acknowledged
+ACK_POLL_MAX = 0.01
+ACK_CAP_NS = 60_000_000_000  # a client that has not acknowledged a reply after this never read it
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +62,7 @@ class ListenerState:
 class ClientConnection(asyncio.Protocol):
     __slots__ = ("state", "pipeline", "transport", "decoder", "queue", "peer", "t_first",
                  "closing", "paused_reading", "paused_writing", "_read_timer", "_idle_timer",
-                 "_last_active", "_linger")
+                 "_last_active", "_linger", "fd", "bytes_out", "_unacked", "_ack_poll", "_ack_delay")
 
     def __init__(self, state: ListenerState) -> None:
         self.state = state
@@ -77,6 +80,11 @@ class ClientConnection(asyncio.Protocol):
         self._idle_timer = None
         self._last_active = 0
         self._linger = None
+        self.fd = -1
+        self.bytes_out = 0                 # reply bytes written to the transport, ever
+        self._unacked: deque = deque()     # (end offset in bytes_out, call) not yet acknowledged
+        self._ack_poll = None
+        self._ack_delay = ACK_POLL_FIRST
 
     # -- asyncio.Protocol -----------------------------------------------------
 
@@ -90,7 +98,9 @@ class ClientConnection(asyncio.Protocol):
             return
         state.connections.add(self)
         state.stats["accepted"] += 1
-        set_nodelay(transport.get_extra_info("socket"))
+        sock = transport.get_extra_info("socket")
+        set_nodelay(sock)
+        self.fd = sock.fileno()
         self.peer = transport.get_extra_info("peername")
         if state.settings.idle_timeout > 0:
             self._last_active = monotonic_ns()
@@ -100,6 +110,9 @@ class ClientConnection(asyncio.Protocol):
         if self.closing:
             return  # lingering: read and discard
         now = monotonic_ns()
+        if self._unacked and self._ack_poll is not None:
+            self._ack_poll.cancel()  # a client that sends has likely read: look now
+            self._check_acks()
         dec = self.decoder
         if not dec.buffered:
             self.t_first = now
@@ -158,6 +171,22 @@ class ClientConnection(asyncio.Protocol):
         for call in self.queue:
             pipeline.cancel(call)
         self.queue.clear()
+        if self._ack_poll is not None:
+            self._ack_poll.cancel()
+            self._ack_poll = None
+        if self._unacked:
+            try:
+                self._check_acks()  # what it acknowledged before closing
+            except OSError:
+                pass
+            if self._ack_poll is not None:
+                self._ack_poll.cancel()
+                self._ack_poll = None
+        now = monotonic_ns()
+        while self._unacked:  # the client is gone: nothing more will be acknowledged
+            _, call = self._unacked.popleft()
+            call.t_acked = now
+            pipeline.completed(call)
 
     def pause_writing(self) -> None:
         self.paused_writing = True
@@ -182,10 +211,19 @@ class ClientConnection(asyncio.Protocol):
                 return
             return  # an earlier call is still open: this reply waits its turn (the `queued` hop)
         write = self.transport.write
+        unacked = self._unacked
         while q and q[0].reply is not None:
             c = q.popleft()
-            write(c.reply)
-            c.t_handed = monotonic_ns()
+            c.t_write = monotonic_ns()
+            data = c.reply
+            write(data)
+            self.bytes_out += len(data)
+            c.reply_size = len(data)
+            unacked.append((self.bytes_out, c))
+        self._ack_delay = ACK_POLL_FIRST
+        if self._ack_poll is not None:
+            self._ack_poll.cancel()
+        self._check_acks()
         if self.closing:
             if not q:
                 self._close_after_replies()
@@ -198,6 +236,49 @@ class ClientConnection(asyncio.Protocol):
                 and len(self.queue) < self.state.settings.max_inflight):
             self.paused_reading = False
             self.transport.resume_reading()
+
+    # -- the write_response hop: until the client acknowledged every byte -------------
+
+    def _check_acks(self) -> None:
+        """Record `t_handed` (the kernel took the bytes) and `t_acked` (SIOCOUTQ says the
+        client acknowledged them) for written replies; poll with growing intervals until done.
+
+        The kernel swallows megabytes at once, so "written" says nothing about a slow
+        reader; the send queue does. Offsets make this exact for pipelined replies.
+        """
+        self._ack_poll = None
+        t = self.transport
+        unacked = self._unacked
+        if t is None or not unacked:
+            return
+        now = monotonic_ns()
+        buffered = t.get_write_buffer_size()
+        handed = self.bytes_out - buffered
+        acked = handed - unacked_bytes(self.fd)
+        pipeline = self.pipeline
+        for end, call in unacked:
+            if call.t_handed == 0 and handed >= end:
+                call.t_handed = now
+        while unacked and unacked[0][0] <= acked:
+            _, call = unacked.popleft()
+            call.t_acked = now
+            pipeline.completed(call)
+        if not unacked:
+            return
+        oldest = unacked[0][1]
+        if now - oldest.t_write > ACK_CAP_NS:
+            while unacked:  # it never read: recorded as such, not waited for forever
+                _, call = unacked.popleft()
+                call.never_read = True
+                pipeline.completed(call)
+            return
+        loop = self.state.loop
+        if self._ack_delay == ACK_POLL_FIRST and buffered == 0 and oldest.t_handed == now:
+            self._ack_poll = loop.call_soon(self._check_acks)  # loopback ACKs take microseconds
+            self._ack_delay = ACK_POLL_FIRST / 2
+        else:
+            self._ack_delay = min(self._ack_delay * 2, ACK_POLL_MAX)
+            self._ack_poll = loop.call_later(self._ack_delay, self._check_acks)
 
     # -- errors and closing ------------------------------------------------------
 

@@ -42,6 +42,7 @@ class Pipeline:
         self.router = router
         self.oneway_methods = oneway_methods
         self.stats = {"calls": 0, "errors": 0, "oneway": 0, "oneway_failures": 0, "no_route": 0}
+        self.on_complete = None  # telemetry: called once per finished call
 
     # 1-2: route, oneway ----------------------------------------------------------
 
@@ -154,6 +155,11 @@ class Pipeline:
         call.t_done = monotonic_ns()
         call.reply = data
         call.conn.call_done(call)
+
+    def completed(self, call: Call) -> None:
+        """The call is over (its reply acknowledged, or it never will be): record it."""
+        if self.on_complete is not None:
+            self.on_complete(call)
 
     def cancel(self, call: Call) -> None:
         """The client went away: stop waiting for a connection; a written attempt runs out."""

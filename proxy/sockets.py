@@ -7,9 +7,11 @@ delayed ACKs turns a split write into a 40 ms stall (one team's 14 s job took
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import resource
 import socket
+import termios
 
 log = logging.getLogger(__name__)
 
@@ -42,3 +44,17 @@ def raise_nofile_limit() -> tuple[int, int]:
         except (ValueError, OSError) as e:
             log.warning("could not raise the open-file limit to %d: %s", hard, e)
     return soft, hard
+
+
+_ZERO = b"\0\0\0\0"
+
+
+def unacked_bytes(fd: int) -> int:
+    """Bytes in a TCP socket's send queue not yet acknowledged by the peer (SIOCOUTQ).
+
+    0 means the peer's kernel acknowledged everything written so far.
+    """
+    try:
+        return int.from_bytes(fcntl.ioctl(fd, termios.TIOCOUTQ, _ZERO), "little", signed=True)
+    except OSError:
+        return 0
