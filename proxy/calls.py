@@ -34,7 +34,8 @@ class Call:
                  "outcome", "attempt", "attempts", "written", "cancelled", "backoffs",
                  "t_start", "t_framed", "t_done", "t_write", "t_handed", "t_acked", "never_read",
                  "streamed", "client_paused_ns", "upstream_wait_ns", "reply_size", "loop_lag_ns",
-                 "trace", "timer", "deadline", "_request")
+                 "trace", "timer", "deadline", "retry_timer", "holds_request", "result_field",
+                 "_request")
 
     def __init__(self, conn, msg, t_start: int, t_framed: int) -> None:
         self.conn = conn                    # the client connection (listener)
@@ -66,6 +67,9 @@ class Call:
         self.trace = None                   # trace context (telemetry)
         self.timer = None                   # route deadline handle
         self.deadline = 0.0                 # loop time of the route deadline (0 = none)
+        self.retry_timer = None             # backoff before the next attempt
+        self.holds_request = False          # counted in the cluster's max_requests
+        self.result_field = None            # the reply's first result field id (outcome peek)
         self._request: dict = {}            # request bytes per upstream framing
 
     @property
@@ -78,7 +82,8 @@ class Attempt(Exchange):
 
     __slots__ = ("call", "endpoint", "pool", "upconn", "waiter", "seqid", "number", "timer",
                  "t_acquire", "t_acquired", "t_written", "t_first_reply", "t_reply", "outcome",
-                 "error", "retry_reason", "breaker_state", "reply_size", "span_id")
+                 "error", "retry_reason", "breaker_state", "reply_size", "span_id", "probe",
+                 "pending", "is_retry", "ended")
 
     def __init__(self, call: Call, endpoint, number: int, t_acquire: int) -> None:
         self.call = call
@@ -100,6 +105,10 @@ class Attempt(Exchange):
         self.breaker_state: str | None = None
         self.reply_size = 0
         self.span_id = 0                    # pre-chosen when trace context is injected upstream
+        self.probe = False                  # took a half-open breaker's probe slot
+        self.pending = False                # counted in the cluster's max_pending
+        self.is_retry = number > 1          # counted in the cluster's max_retries
+        self.ended = False                  # its outcome is recorded (exactly once)
 
     # pool callback: a connection (or an error) arrived
     def __call__(self, conn, error) -> None:

@@ -1,50 +1,72 @@
 """One call's path, top-down. The one file to read to see what happens to a request.
 
     listener (framed a request) ─► Pipeline.handle
-        1. route         which cluster (first matching route; none → UNKNOWN_METHOD)
-        2. oneway?       ONEWAY, or a method listed in oneway_methods: nothing is written back
-        3. attempt       balancer picks an endpoint (open breakers skipped), pool lends a connection
-        4. write         request bytes, re-framed only if the upstream framing differs
-        5. reply         upstream connection frames the reply and checks its seqid
-        6. answer        reply bytes, re-framed for the client, queued in request order
+      1. route       first matching route; none → UNKNOWN_METHOD "no route"
+      2. oneway?     ONEWAY, or a method in oneway_methods: nothing is ever written back
+      3. admit       cluster limits (max_requests) and the route deadline (a loop.call_at handle,
+                     capped by the client's THeader `client_timeout`); deposit in the retry budget
+      4. attempt     balancer picks an endpoint (open breakers skipped, another one on a retry),
+                     the pool lends a connection (or we wait: max_pending, acquire_timeout),
+                     per-try deadline armed
+      5. write       request bytes, re-framed only if the upstream framing differs; THeader
+                     upstreams get the reduced deadline and trace context in the header block
+      6. reply       the upstream connection frames the reply and checks its seqid
+      7. classify    one outcome per attempt (calls.SUCCESS ... TIMEOUT), read by breaker,
+                     retry, balancer, spans and metrics alike
+      8. retry?      policy (idempotency, attempts, retry_buffer) → max_retries → budget → backoff
+      9. answer      reply bytes re-framed for the client, queued in request order
 
-Everything here runs in protocol callbacks: no task per call. A call's
-timestamps (monotonic ns) are its hops; spans and metrics are built from
-them after the call.
-
-Errors follow DESIGN.md's rule: if any attempt was written upstream the
-client hears "may have run", else "not sent".
+Everything here runs in protocol callbacks and timer handles: no task per
+call. Error rule (DESIGN.md): if any attempt of the call was written
+upstream, the client hears "may have run", else "not sent".
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import random
 from time import monotonic_ns
 
-from proxy.codec import AppErrorType, Framing, Message, MessageType, Protocol, exception_reply, reframe
+from proxy import calls
+from proxy.breaker import classify_for_breaker
 from proxy.calls import Attempt, Call
+from proxy.codec import AppErrorType, Message, MessageType, Protocol, exception_reply, reframe
+from proxy.retry import RetryPolicy
 from proxy.upstream import UpstreamError
 
 log = logging.getLogger(__name__)
 
 PREFIX = "thrift-sidecar: "
+CLIENT_TIMEOUT_HEADER = "client_timeout"  # ms, as fbthrift carries it
 
 
 def _same_protocol(a: Protocol, b: Protocol) -> bool:
     return a is b or (a is not Protocol.COMPACT and b is not Protocol.COMPACT)
 
 
-class Pipeline:
-    """The request path for one listener: router, clusters, and the error rule."""
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f}ms"
 
-    def __init__(self, listener_name: str, router, oneway_methods: frozenset[str] = frozenset()) -> None:
+
+class Pipeline:
+    """The request path for one listener: router, clusters, resilience, the error rule."""
+
+    def __init__(self, listener_name: str, router, oneway_methods: frozenset[str] = frozenset(),
+                 loop: asyncio.AbstractEventLoop | None = None, rng: random.Random | None = None) -> None:
         self.listener_name = listener_name
         self.router = router
         self.oneway_methods = oneway_methods
-        self.stats = {"calls": 0, "errors": 0, "oneway": 0, "oneway_failures": 0, "no_route": 0}
-        self.on_complete = None  # telemetry: called once per finished call
+        self.loop = loop or asyncio.get_event_loop()
+        self.rng = rng or random.Random()
+        self.stats = {"calls": 0, "errors": 0, "oneway": 0, "oneway_failures": 0, "no_route": 0,
+                      "retries": 0, "retries_refused_budget": 0, "retries_refused_limit": 0,
+                      "timeouts": 0, "limit_rejections": 0}
+        self.on_complete = None   # telemetry: called once per finished call
+        self.on_send = None       # telemetry: headers to add for a THeader upstream (trace context)
+        self._policies: dict[int, RetryPolicy | None] = {}
 
-    # 1-2: route, oneway ----------------------------------------------------------
+    # 1-3: route, oneway, admit -----------------------------------------------------
 
     def handle(self, conn, msg: Message, t_start: int, t_framed: int) -> None:
         self.stats["calls"] += 1
@@ -56,16 +78,41 @@ class Pipeline:
         route = self.router.route(msg)
         if route is None:
             self.stats["no_route"] += 1
+            call.outcome = calls.NO_ROUTE
             self.fail(call, AppErrorType.UNKNOWN_METHOD,
                       f"no route: method '{msg.name}' on listener '{self.listener_name}'")
             return
         call.route = route
-        call.cluster = route.pick_cluster()
+        cluster = call.cluster = route.pick_cluster()
+        limits = getattr(cluster, "limits", None)
+        if limits is not None:
+            if not limits.try_enter_request():
+                self.stats["limit_rejections"] += 1
+                self._give_up(call, UpstreamError(
+                    f"cluster '{cluster.name}' has max_requests {limits.limits.max_requests} calls in flight",
+                    written=False, endpoint_fault=False))
+                return
+            call.holds_request = True
+        budget = getattr(cluster, "budget", None)
+        if budget is not None:
+            budget.deposit()
+        timeout = route.settings.timeout if route.settings is not None else 0.0
+        client_ms = msg.headers.get(CLIENT_TIMEOUT_HEADER) if msg.header is not None else None
+        if client_ms:
+            try:
+                cap = int(client_ms) / 1000
+                if cap > 0 and (timeout <= 0 or cap < timeout):
+                    timeout = cap
+            except ValueError:
+                pass
+        if timeout > 0 and not call.oneway:
+            call.deadline = self.loop.time() + timeout - (monotonic_ns() - t_framed) / 1e9
+            call.timer = self.loop.call_at(call.deadline, self._call_timeout, call, timeout)
         self.start_attempt(call)
 
-    # 3: attempt ---------------------------------------------------------------
+    # 4: attempt ---------------------------------------------------------------
 
-    def start_attempt(self, call: Call) -> None:
+    def start_attempt(self, call: Call, retry_reason: str | None = None) -> None:
         cluster = call.cluster
         msg = call.msg
         if cluster.protocol is not None and not _same_protocol(cluster.protocol, msg.protocol):
@@ -74,34 +121,72 @@ class Pipeline:
                       f"speaks {cluster.protocol.value} (protocols are never transcoded)")
             return
         endpoint = cluster.pick()
+        if call.attempts and len(cluster.endpoints) > 1:
+            tried = {a.endpoint for a in call.attempts}
+            for _ in range(3):  # a retry goes to another endpoint when one exists
+                if endpoint not in tried:
+                    break
+                endpoint = cluster.pick()
         if endpoint is None:
-            self._give_up(call, UpstreamError(f"no endpoint available in cluster '{cluster.name}'", written=False))
+            self._give_up(call, UpstreamError(f"no endpoint available in cluster '{cluster.name}'",
+                                              written=False, endpoint_fault=False))
             return
-        attempt = Attempt(call, endpoint, len(call.attempts) + 1, monotonic_ns())
+        now = monotonic_ns()
+        attempt = Attempt(call, endpoint, len(call.attempts) + 1, now)
+        attempt.retry_reason = retry_reason
         call.attempts.append(attempt)
         call.attempt = attempt
+        breaker = endpoint.breaker
+        if breaker is not None:
+            attempt.breaker_state = breaker.state_name
+            attempt.probe = breaker.on_pick()
+        settings = call.route.settings
+        per_try = settings.retry.per_try_timeout if settings is not None else 0.0
+        if per_try > 0 and not call.oneway:
+            at = self.loop.time() + per_try
+            if call.deadline and call.deadline < at:
+                at = call.deadline + 0.001  # the route deadline fires first
+            else:
+                attempt.timer = self.loop.call_at(at, self._attempt_timeout, attempt, per_try)
         pool = cluster.pool(endpoint, cluster.framing or msg.framing, msg.protocol)
         attempt.pool = pool
         conn = pool.try_acquire()
         if conn is not None:
             self.send(attempt, conn)
-        else:
-            attempt.waiter = pool.acquire(attempt)
+            return
+        limits = getattr(cluster, "limits", None)
+        if limits is not None:
+            if not limits.try_enter_pending():
+                self.stats["limit_rejections"] += 1
+                self.attempt_failed(attempt, UpstreamError(
+                    f"cluster '{cluster.name}' has max_pending {limits.limits.max_pending} calls "
+                    "waiting for a connection", written=False, endpoint_fault=False))
+                return
+            attempt.pending = True
+        attempt.waiter = pool.acquire(attempt)
 
-    # 4: write -------------------------------------------------------------------
+    # 5: write -------------------------------------------------------------------
 
     def send(self, attempt: Attempt, conn) -> None:
         call = attempt.call
-        if call.cancelled or attempt is not call.attempt:
+        self._leave_pending(attempt)
+        if call.cancelled or attempt is not call.attempt or attempt.ended:
             conn.pool.release(conn)
             return
-        now = monotonic_ns()
-        attempt.t_acquired = now
+        attempt.t_acquired = monotonic_ns()
         attempt.upconn = conn
         framing = conn.pool.framing
-        data = call._request.get(framing)
-        if data is None:
-            data = call._request[framing] = reframe(call.msg, framing)
+        if framing.is_header and (call.deadline or self.on_send is not None):
+            headers = dict(call.msg.headers)
+            if call.deadline:
+                headers[CLIENT_TIMEOUT_HEADER] = str(max(int((call.deadline - self.loop.time()) * 1000), 1))
+            if self.on_send is not None:
+                self.on_send(attempt, headers)
+            data = reframe(call.msg, framing, headers)
+        else:
+            data = call._request.get(framing)
+            if data is None:
+                data = call._request[framing] = reframe(call.msg, framing)
         attempt.endpoint.outstanding += 1
         call.written = True
         conn.exchange(None if call.oneway else attempt, data)
@@ -110,51 +195,224 @@ class Pipeline:
             attempt.endpoint.outstanding -= 1
             self.stats["oneway"] += 1
             call.t_done = attempt.t_written
+            self._end_attempt(attempt, calls.SUCCESS)
+            self._release_call(call)
+            self.completed(call)
 
-    # 5-6: reply, answer ----------------------------------------------------------
+    # 6-7: reply, classify ------------------------------------------------------------
 
     def attempt_replied(self, attempt: Attempt, reply: Message) -> None:
         attempt.t_reply = monotonic_ns()
         ep = attempt.endpoint
         ep.outstanding -= 1
         ep.ewma.observe((attempt.t_reply - attempt.t_written) / 1e9)
-        call = attempt.call
         attempt.upconn = None
-        if call.cancelled:
+        attempt.reply_size = len(reply.data)
+        call = attempt.call
+        field = None
+        if reply.type == MessageType.EXCEPTION:
+            outcome = calls.APP_EXCEPTION
+        else:
+            try:
+                field = reply.result_field()
+            except Exception:  # a reply we framed but cannot peek: pass it on as is
+                field = None
+            outcome = calls.DECLARED_EXCEPTION if field is not None and field > 0 else calls.SUCCESS
+        self._end_attempt(attempt, outcome)
+        if call.cancelled or attempt is not call.attempt:
             return
+        call.result_field = field
+        if outcome != calls.SUCCESS and self._retry(call, attempt, outcome, field):
+            return
+        call.outcome = outcome
         framing = call.msg.framing
         data = reply.data if reply.framing is framing else reframe(reply, framing)
         self.finish(call, data)
 
     def attempt_failed(self, attempt: Attempt, error: UpstreamError) -> None:
+        self._leave_pending(attempt)
         if attempt.upconn is not None:
             attempt.endpoint.outstanding -= 1
             attempt.upconn = None
         attempt.t_reply = monotonic_ns()
+        attempt.error = error.message
+        if error.written:
+            outcome = calls.TIMEOUT if error.timeout else calls.MAY_HAVE_RUN
+        else:
+            outcome = calls.NOT_SENT
+        self._end_attempt(attempt, outcome, error.endpoint_fault)
         call = attempt.call
         if call.cancelled or attempt is not call.attempt:
             return
-        self._give_up(call, error)
+        if self._retry(call, attempt, outcome, None):
+            return
+        self._give_up(call, error, outcome)
 
-    def _give_up(self, call: Call, error: UpstreamError) -> None:
+    def _end_attempt(self, attempt: Attempt, outcome: str, endpoint_fault: bool = True) -> None:
+        """Record an attempt's outcome once: breaker, limits, timers."""
+        if attempt.ended:
+            return
+        attempt.ended = True
+        attempt.outcome = outcome
+        if attempt.timer is not None:
+            attempt.timer.cancel()
+            attempt.timer = None
+        breaker = attempt.endpoint.breaker
+        if breaker is not None:
+            verdict = classify_for_breaker(outcome, endpoint_fault)
+            if verdict is None:
+                breaker.release()
+            else:
+                breaker.record(verdict)
+        if attempt.is_retry:
+            limits = getattr(attempt.call.cluster, "limits", None)
+            if limits is not None:
+                limits.leave_retry()
+            attempt.is_retry = False
+
+    def _leave_pending(self, attempt: Attempt) -> None:
+        if attempt.pending:
+            attempt.pending = False
+            attempt.call.cluster.limits.leave_pending()
+
+    # 8: retry? --------------------------------------------------------------------
+
+    def _policy(self, route) -> RetryPolicy | None:
+        key = id(route)
+        try:
+            return self._policies[key]
+        except KeyError:
+            s = route.settings
+            policy = RetryPolicy(s.retry, s.retry_buffer) if s is not None else None
+            self._policies[key] = policy
+            return policy
+
+    def _retry(self, call: Call, attempt: Attempt, outcome: str, field: int | None) -> bool:
+        """Start a backoff before another attempt, if policy, limits and budget all allow it."""
+        if call.cancelled or call.oneway:
+            return False
+        policy = self._policy(call.route)
+        if policy is None:
+            return False
+        ok, _why = policy.decide(outcome, attempt.number, call.msg.method, call.request_size, field)
+        if not ok:
+            return False
+        cluster = call.cluster
+        limits = getattr(cluster, "limits", None)
+        if limits is not None and not limits.try_enter_retry():
+            self.stats["retries_refused_limit"] += 1
+            return False
+        budget = getattr(cluster, "budget", None)
+        if budget is not None and not budget.try_withdraw():
+            self.stats["retries_refused_budget"] += 1
+            if limits is not None:
+                limits.leave_retry()
+            return False
+        delay = policy.backoff(attempt.number, self.rng)
+        if call.deadline and self.loop.time() + delay >= call.deadline:
+            if limits is not None:
+                limits.leave_retry()
+            return False
+        self.stats["retries"] += 1
+        call.attempt = None
+        start = monotonic_ns()
+        call.retry_timer = self.loop.call_later(delay, self._retry_now, call, outcome, start)
+        return True
+
+    def _retry_now(self, call: Call, reason: str, start: int) -> None:
+        call.retry_timer = None
+        call.backoffs.append((start, monotonic_ns()))
+        if call.cancelled:
+            if getattr(call.cluster, "limits", None) is not None:
+                call.cluster.limits.leave_retry()
+            return
+        self.start_attempt(call, retry_reason=reason)
+        a = call.attempt
+        if a is not None and a.number > 1 and not a.ended:
+            a.is_retry = True  # leave_retry() when it ends
+        elif getattr(call.cluster, "limits", None) is not None and (a is None or not a.is_retry):
+            call.cluster.limits.leave_retry()
+
+    # timeouts -------------------------------------------------------------------
+
+    def _attempt_timeout(self, attempt: Attempt, per_try: float) -> None:
+        attempt.timer = None
+        if attempt.ended:
+            return
+        self.stats["timeouts"] += 1
+        self.attempt_failed(attempt, self._stop_attempt(attempt, f"per-try timeout {_ms(per_try)}"))
+
+    def _call_timeout(self, call: Call, timeout: float) -> None:
+        call.timer = None
+        if call.reply is not None or call.cancelled:
+            return
+        self.stats["timeouts"] += 1
+        if call.retry_timer is not None:
+            call.retry_timer.cancel()
+            call.retry_timer = None
+            if getattr(call.cluster, "limits", None) is not None:
+                call.cluster.limits.leave_retry()
+        a = call.attempt
+        if a is not None and not a.ended:
+            error = self._stop_attempt(a, f"route timeout {_ms(timeout)}")
+            self._leave_pending(a)
+            if a.upconn is not None or a.t_written:
+                a.endpoint.outstanding -= 1 if a.upconn is not None else 0
+                a.upconn = None
+            a.t_reply = monotonic_ns()
+            a.error = error.message
+            self._end_attempt(a, calls.TIMEOUT if error.written else calls.NOT_SENT, False)
+        else:
+            error = UpstreamError(f"route timeout {_ms(timeout)} passed", written=call.written, timeout=True)
+        self._give_up(call, error, calls.TIMEOUT if call.written else calls.NOT_SENT)
+
+    def _stop_attempt(self, attempt: Attempt, what: str) -> UpstreamError:
+        """Stop waiting: a late reply must never reach the client (that connection is discarded)."""
+        if attempt.waiter is not None:
+            attempt.waiter.cancel()
+            attempt.waiter = None
+            return UpstreamError(f"{what} while waiting for a connection to {attempt.endpoint.label}",
+                                 written=False, timeout=True, endpoint_fault=False)
+        conn = attempt.upconn
+        if conn is not None:
+            conn.abandon()
+            return UpstreamError(f"{what}: no reply from {attempt.endpoint.label}", written=True, timeout=True)
+        return UpstreamError(f"{what} connecting to {attempt.endpoint.label}", written=False, timeout=True)
+
+    # 9: answer ----------------------------------------------------------------------
+
+    def _give_up(self, call: Call, error: UpstreamError, outcome: str | None = None) -> None:
         kind = "may have run" if (call.written or error.written) else "not sent"
+        call.outcome = outcome or (calls.MAY_HAVE_RUN if kind == "may have run" else calls.NOT_SENT)
         self.fail(call, AppErrorType.INTERNAL_ERROR, f"{kind}: {error.message}")
 
     def fail(self, call: Call, app_type: AppErrorType, text: str) -> None:
         """Answer with the proxy's own TApplicationException (never for oneway)."""
         self.stats["errors"] += 1
         call.error = text
+        call.error_type = call.outcome or "error"
         if call.oneway:
             self.stats["oneway_failures"] += 1
             log.warning("oneway call %s on listener %s failed: %s", call.msg.name, self.listener_name, text)
             call.t_done = monotonic_ns()
+            self._release_call(call)
+            self.completed(call)
             return
         self.finish(call, exception_reply(call.msg.head, app_type, PREFIX + text))
 
     def finish(self, call: Call, data: bytes) -> None:
         call.t_done = monotonic_ns()
         call.reply = data
+        self._release_call(call)
         call.conn.call_done(call)
+
+    def _release_call(self, call: Call) -> None:
+        if call.timer is not None:
+            call.timer.cancel()
+            call.timer = None
+        if call.holds_request:
+            call.holds_request = False
+            call.cluster.limits.leave_request()
 
     def completed(self, call: Call) -> None:
         """The call is over (its reply acknowledged, or it never will be): record it."""
@@ -162,9 +420,17 @@ class Pipeline:
             self.on_complete(call)
 
     def cancel(self, call: Call) -> None:
-        """The client went away: stop waiting for a connection; a written attempt runs out."""
+        """The client went away: stop waiting; a written attempt runs out (its reply is dropped)."""
         call.cancelled = True
+        if call.retry_timer is not None:
+            call.retry_timer.cancel()
+            call.retry_timer = None
+            if getattr(call.cluster, "limits", None) is not None:
+                call.cluster.limits.leave_retry()
         a = call.attempt
         if a is not None and a.waiter is not None:
             a.waiter.cancel()
             a.waiter = None
+            self._leave_pending(a)
+            self._end_attempt(a, calls.NOT_SENT, False)
+        self._release_call(call)

@@ -92,7 +92,8 @@ class Pool:
         """Arrange `callback(conn, error)`: a new connection, or the next one released."""
         w = Waiter(callback)
         if self.closed:
-            self.loop.call_soon(w.fire, None, UpstreamError(f"pool for {self.label} is closed", written=False))
+            self.loop.call_soon(w.fire, None, UpstreamError(f"pool for {self.label} is closed", written=False,
+                                                            endpoint_fault=False))
             return w
         if self.open < self.settings.max_connections:
             self.open += 1
@@ -182,7 +183,7 @@ class Pool:
         w.fire(None, UpstreamError(
             f"no connection to {self.label} within acquire_timeout "
             f"{self.settings.acquire_timeout * 1000:.0f}ms ({self.settings.max_connections} busy)",
-            written=False, timeout=True))
+            written=False, timeout=True, endpoint_fault=False))
 
     def _evict(self) -> None:
         self._sweep = None
@@ -206,7 +207,8 @@ class Pool:
             conn.abandon()
         self.idle.clear()
         while self.waiters:
-            self.waiters.popleft().fire(None, UpstreamError(f"pool for {self.label} closed", written=False))
+            self.waiters.popleft().fire(None, UpstreamError(f"pool for {self.label} closed", written=False,
+                                                            endpoint_fault=False))
 
     def snapshot(self) -> dict:
         return {"endpoint": self.label, "framing": self.framing.value, "protocol": self.protocol.value,

@@ -24,11 +24,14 @@ log = logging.getLogger(__name__)
 class UpstreamError(Exception):
     """An attempt failed; `written` says whether any request byte reached the socket."""
 
-    def __init__(self, message: str, written: bool, timeout: bool = False) -> None:
+    def __init__(self, message: str, written: bool, timeout: bool = False, endpoint_fault: bool = True) -> None:
         super().__init__(message)
         self.message = message
         self.written = written
         self.timeout = timeout
+        # False when the proxy itself refused (pool full, limits, shutting down): says nothing
+        # about the endpoint's health, so breakers ignore it.
+        self.endpoint_fault = endpoint_fault
 
 
 class Exchange:
