@@ -74,3 +74,8 @@ LOOP_LAG_MS = "sidecar.loop_lag_ms"           # the largest event-loop lag seen 
 ONEWAY = "sidecar.oneway"
 SAMPLED_BY = "sidecar.sampled_by"             # head | slow | failed
 NEW_TRACE = "sidecar.new_trace"               # true when the client sent no trace context
+
+# Values of SAMPLED_BY: why a call's spans were exported (precedence: head, failed, slow).
+SAMPLED_HEAD = "head"      # the head decision (the client's flag, else the sample ratio)
+SAMPLED_FAILED = "failed"  # the proxy answered with its own error, or the outcome was not success/declared
+SAMPLED_SLOW = "slow"      # slower than the route's slow_call

@@ -1,0 +1,342 @@
+"""Traces of calls: which calls become spans, and building those spans after the call.
+
+Owns: the per-call tracing API the pipeline and listener call, the export decision (head
+sampled, slow, failed), and turning a finished Call's timestamps into finished OpenTelemetry
+spans (`ReadableSpan`), built in the export thread. Leaves to others: taking the timestamps
+(listener, pipeline, pool), trace context on the wire (`proxy.tracecontext`), the export queue
+and the exporters (`proxy.exporter`), histograms (`proxy.metrics`), names (`proxy.spans`).
+
+Why not the SDK tracer: a tracer span costs ~17 µs here; a call has 8+ of them. So nothing
+traces *during* a call: the call keeps monotonic timestamps (`proxy.calls`), and only a call
+that is head-sampled, slower than its route's `slow_call`, or failed is queued (one append on
+the loop) and turned into spans in the export thread.
+
+    telemetry = Telemetry(cfg.tracing)                      # composition root
+    call.trace = telemetry.begin(call)                      # THeader request, or THeader upstream
+    headers = telemetry.upstream_headers(attempt)           # per attempt to a THeader upstream
+    telemetry.finished(call, service, listener)             # once the call is over (reply acked)
+    telemetry.shutdown(timeout)                             # drain: flush with a deadline
+
+Span tree (DESIGN.md "Spans"; a hop whose timestamps are 0 has no span):
+
+    SERVER "{service}/{method}"  t_start → t_acked (else t_handed; oneway: t_done)
+     ├─ read_request             t_start → t_framed
+     ├─ CLIENT "{service}/{method}"   per attempt: t_acquire → t_reply
+     │   ├─ acquire              t_acquire → t_acquired
+     │   ├─ write_upstream       t_acquired → t_written
+     │   ├─ service_time         t_written → t_first_reply (a failed attempt: → t_reply)
+     │   └─ read_response        t_first_reply → t_reply
+     ├─ backoff                  call.backoffs
+     ├─ queued                   t_done → t_write, when longer than QUEUED_MIN_NS
+     └─ write_response           t_write → t_acked (else t_handed); handed_ms, client_never_read
+
+Every exported span carries the sampled trace flag, also for slow/failed calls that were not
+head-sampled: the SDK's processors and most backends drop unsampled spans. `sampled_by` says
+why the call was kept: `head`, `failed` or `slow` (in that order of precedence).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
+
+from proxy import __version__, spans
+from proxy.calls import DECLARED_EXCEPTION, SUCCESS
+from proxy.exporter import ExportQueue, make_exporter
+from proxy.metrics import INVALID, call_end, call_outcome, is_failure
+from proxy.tracecontext import TraceContext, inject, new_id, start
+
+__all__ = ["Telemetry", "HEAD", "SLOW", "FAILED", "QUEUED_MIN_NS", "DEFAULT_SLOW_CALL"]
+
+HEAD = spans.SAMPLED_HEAD
+SLOW = spans.SAMPLED_SLOW
+FAILED = spans.SAMPLED_FAILED
+
+DEFAULT_SLOW_CALL = 1.0   # seconds, when a call has no route (the config's default too)
+QUEUED_MIN_NS = 10_000    # a reply written within 10 µs of being ready did not wait in line
+
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_UNSAMPLED = TraceFlags(TraceFlags.DEFAULT)
+_UNSET = Status(StatusCode.UNSET)
+_OK_ATTEMPT = frozenset((SUCCESS, DECLARED_EXCEPTION))
+
+
+class _Resource(Resource):
+    """A Resource whose hash is computed once: the SDK's OTLP encoder hashes the resource of every
+    span it encodes, and `Resource.__hash__` serialises all attributes to JSON (~4.5 µs) each time."""
+
+    def __init__(self, attributes, schema_url: str | None = None) -> None:
+        super().__init__(attributes, schema_url)
+        self._hash = super().__hash__()
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or super().__eq__(other)
+
+
+def _ms(ns: int) -> float:
+    return round(ns / 1e6, 3)
+
+
+class Telemetry:
+    """Tracing for all listeners: one RNG, one resource, one export queue (or none)."""
+
+    def __init__(self, tracing, clock_offset_ns: int | None = None, rng: random.Random | None = None,
+                 exporter=None, **queue_options) -> None:
+        self.tracing = tracing
+        self.ratio = 0.0 if tracing is None else tracing.sample_ratio
+        self.rng = rng if rng is not None else random.Random()
+        # ids for hop spans are drawn in the export thread: its own generator, seeded from ours
+        self._ids = random.Random(self.rng.getrandbits(64))
+        # monotonic ns + offset = epoch ns; computed once so spans of one call stay consistent
+        self.offset_ns = (time.time_ns() - time.monotonic_ns()) if clock_offset_ns is None else clock_offset_ns
+        name = "thrift-sidecar" if tracing is None else tracing.service_name
+        detected = Resource.create({"service.name": name})  # + OTEL_RESOURCE_ATTRIBUTES, SDK info
+        self.resource = _Resource(detected.attributes, detected.schema_url)
+        self.scope = InstrumentationScope(spans.INSTRUMENTATION_SCOPE, __version__, spans.SCHEMA_URL)
+        if exporter is None:
+            exporter = make_exporter(tracing)
+        self.exporter = exporter
+        self.queue = ExportQueue(exporter, self._build_item, **queue_options) if exporter is not None else None
+
+    # -- per call, on the loop ---------------------------------------------------------------
+
+    def begin(self, call) -> TraceContext:
+        """Join the client's trace (THeader headers) or start one; sets and returns `call.trace`.
+
+        Call it when the request is THeader (it may carry a traceparent) or when an attempt will
+        go to a THeader upstream (we inject ours). Plain calls need nothing: their head decision
+        is drawn in `finished` and their trace id in the export thread.
+        """
+        msg = call.msg
+        ctx = start(msg.headers if msg is not None else None, self.rng, self.ratio)
+        call.trace = ctx
+        return ctx
+
+    def upstream_headers(self, attempt) -> dict[str, str]:
+        """`traceparent` (and `tracestate`) for one attempt's THeader request; sets its span id."""
+        call = attempt.call
+        ctx = call.trace
+        if ctx is None:
+            ctx = self.begin(call)
+        if not attempt.span_id:
+            attempt.span_id = new_id(self.rng)
+        return inject(ctx, attempt.span_id)
+
+    def should_export(self, call) -> str | None:
+        """Why this finished call becomes spans (`head`, `failed`, `slow`), or None. Cheap."""
+        ctx = call.trace
+        if ctx is not None:
+            if ctx.sampled:
+                return HEAD
+        elif self.ratio > 0.0 and (self.ratio >= 1.0 or self.rng.random() < self.ratio):
+            return HEAD
+        return self._kept_unsampled(call)
+
+    @staticmethod
+    def _kept_unsampled(call) -> str | None:
+        """Failed or slow, for a call the head decision did not keep."""
+        if is_failure(call):
+            return FAILED
+        route = call.route
+        settings = route.settings if route is not None else None
+        slow = settings.slow_call if settings is not None else DEFAULT_SLOW_CALL
+        if call_end(call) - call.t_start > slow * 1e9:
+            return SLOW
+        return None
+
+    def finished(self, call, service: str, listener: str | None = None) -> str | None:
+        """The call is over (nothing will change it again): queue it for export if it is kept.
+
+        Returns the reason it was kept (or None). The loop pays the decision and one append; the
+        spans are built in the export thread from the call's fields.
+        """
+        queue = self.queue
+        if queue is None:
+            return None
+        reason = self.should_export(call)
+        if reason is not None:
+            # what the queued call keeps alive until the export thread is done with it
+            msg, reply = call.msg, call.reply
+            size = (len(msg.data) if msg is not None else 0) + (len(reply) if reply is not None else 0)
+            queue.submit((call, service, listener, reason), size)
+        return reason
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def flush(self, timeout: float) -> bool:
+        return True if self.queue is None else self.queue.flush(timeout)
+
+    def shutdown(self, timeout: float) -> bool:
+        return True if self.queue is None else self.queue.shutdown(timeout)
+
+    # -- building spans (export thread) -----------------------------------------------------
+
+    def _reason(self, call) -> str:
+        """Why a call is being built when the caller did not say (no RNG draw: any thread)."""
+        ctx = call.trace
+        if ctx is not None and ctx.sampled:
+            return HEAD
+        return self._kept_unsampled(call) or HEAD
+
+    def _build_item(self, item) -> list[ReadableSpan]:
+        call, service, listener, reason = item
+        return self.build_spans(call, service, listener, reason)
+
+    def _span(self, name, ctx, parent, kind, t0, t1, attrs=None, status=_UNSET) -> ReadableSpan:
+        off = self.offset_ns
+        # positional: (name, context, parent, resource, attributes, events, links, kind,
+        # instrumentation_info, status, start_time, end_time, instrumentation_scope)
+        return ReadableSpan(name, ctx, parent, self.resource, attrs, (), (), kind, None, status,
+                            t0 + off, t1 + off, self.scope)
+
+    def build_spans(self, call, service: str, listener: str | None = None,
+                    reason: str | None = None) -> list[ReadableSpan]:
+        """The finished spans of one finished call: SERVER first, then its descendants."""
+        ids = self._ids
+        ctx = call.trace
+        if ctx is None:
+            trace_id, server_id, parent_id, state, new_trace = new_id(ids, 128), new_id(ids), 0, None, True
+            parent_flags = _UNSAMPLED
+        else:
+            trace_id, server_id, parent_id, new_trace = ctx.trace_id, ctx.span_id, ctx.parent_span_id, ctx.new_trace
+            state = TraceState.from_header([ctx.tracestate]) if ctx.tracestate else None
+            parent_flags = _SAMPLED if ctx.parent_sampled else _UNSAMPLED
+
+        def context(span_id: int) -> SpanContext:
+            return SpanContext(trace_id, span_id, False, _SAMPLED, state)
+
+        msg = call.msg
+        if msg is not None:
+            method = msg.method
+            svc = msg.service or service
+        else:
+            method, svc = INVALID, service
+        name = spans.call_span_name(svc, method)
+        outcome = call_outcome(call)
+        failed = is_failure(call, outcome)
+        SERVER, INTERNAL = SpanKind.SERVER, SpanKind.INTERNAL
+
+        t_start = call.t_start
+        t_end = call_end(call)
+        server_ctx = context(server_id)
+        remote_parent = SpanContext(trace_id, parent_id, True, parent_flags, state) if parent_id else None
+
+        # SERVER attributes
+        attempts = list(call.attempts)
+        a = {spans.RPC_SYSTEM: spans.RPC_SYSTEM_VALUE, spans.RPC_SERVICE: svc, spans.RPC_METHOD: method,
+             spans.OUTCOME: outcome, spans.ATTEMPTS: len(attempts),
+             spans.SAMPLED_BY: reason or self._reason(call), spans.NEW_TRACE: new_trace}
+        if listener:
+            a[spans.LISTENER] = listener
+        peer = getattr(call.conn, "peer", None)
+        if isinstance(peer, tuple) and len(peer) >= 2:
+            a[spans.PEER_ADDRESS] = str(peer[0])
+            a[spans.PEER_PORT] = int(peer[1])
+        if msg is not None:
+            a[spans.SEQID] = msg.seqid
+            a[spans.REQUEST_SIZE] = len(msg.data)
+        reply = call.reply
+        reply_size = call.reply_size or (len(reply) if reply is not None else 0)
+        if reply_size:
+            a[spans.REPLY_SIZE] = reply_size
+        if call.oneway:
+            a[spans.ONEWAY] = True
+        if call.streamed:
+            a[spans.STREAMED] = True
+            a[spans.CLIENT_PAUSED_MS] = _ms(call.client_paused_ns)
+            a[spans.UPSTREAM_WAIT_MS] = _ms(call.upstream_wait_ns)
+        if call.loop_lag_ns:
+            a[spans.LOOP_LAG_MS] = _ms(call.loop_lag_ns)
+        status = _UNSET
+        if failed:
+            a[spans.ERROR_TYPE] = call.error_type or outcome
+            if call.error is not None:
+                a[spans.ERROR_MESSAGE] = call.error
+            status = Status(StatusCode.ERROR, call.error or outcome)
+        out = [self._span(name, server_ctx, remote_parent, SERVER, t_start, t_end, a, status)]
+
+        # children of SERVER
+        t_framed = call.t_framed
+        if t_framed >= t_start and t_framed:
+            out.append(self._span(spans.READ_REQUEST, context(new_id(ids)), server_ctx, INTERNAL, t_start, t_framed))
+        for i, att in enumerate(attempts):
+            self._attempt_spans(out, att, i, attempts, call, svc, method, name, server_ctx, context, ids)
+        for b0, b1 in list(call.backoffs):
+            if b0 and b1 >= b0:
+                out.append(self._span(spans.BACKOFF, context(new_id(ids)), server_ctx, INTERNAL, b0, b1))
+        t_done, t_write = call.t_done, call.t_write
+        if t_done and t_write - t_done > QUEUED_MIN_NS:
+            out.append(self._span(spans.QUEUED, context(new_id(ids)), server_ctx, INTERNAL, t_done, t_write))
+        t_acked, t_handed = call.t_acked, call.t_handed
+        w0 = t_write or (t_done if t_handed else 0)
+        w1 = t_acked or t_handed
+        if w0 and w1 >= w0:
+            wa = {}
+            if t_handed:
+                wa[spans.HANDED_MS] = _ms(t_handed - w0)
+            if call.never_read:
+                wa[spans.CLIENT_NEVER_READ] = True
+            out.append(self._span(spans.WRITE_RESPONSE, context(new_id(ids)), server_ctx, INTERNAL, w0, w1, wa))
+        return out
+
+    def _attempt_spans(self, out, att, i, attempts, call, svc, method, name, server_ctx, context, ids) -> None:
+        t0 = att.t_acquire
+        if not t0:
+            return
+        t_acquired, t_written, t_first, t_reply = att.t_acquired, att.t_written, att.t_first_reply, att.t_reply
+        t1 = t_reply or t_written or t_acquired
+        if not t1:
+            t1 = call.t_done or t0  # abandoned while waiting for a connection
+        # an attempt's outcome: its own, else what the next attempt says it retried after
+        outcome = att.outcome
+        if outcome is None:
+            if i + 1 < len(attempts):
+                outcome = attempts[i + 1].retry_reason
+            else:
+                outcome = call_outcome(call)
+        a = {spans.RPC_SYSTEM: spans.RPC_SYSTEM_VALUE, spans.RPC_SERVICE: svc, spans.RPC_METHOD: method,
+             spans.ATTEMPT: att.number}
+        ep = att.endpoint
+        if ep is not None:
+            a[spans.SERVER_ADDRESS] = ep.host
+            a[spans.SERVER_PORT] = ep.port
+            a[spans.ENDPOINT] = ep.label
+        if outcome is not None:
+            a[spans.OUTCOME] = outcome
+        if att.retry_reason is not None:
+            a[spans.RETRY_REASON] = att.retry_reason
+        if att.breaker_state is not None:
+            a[spans.BREAKER_STATE] = att.breaker_state
+        if t_written and call.msg is not None:
+            a[spans.REQUEST_SIZE] = len(call.msg.data)
+        if att.reply_size:
+            a[spans.REPLY_SIZE] = att.reply_size
+        status = _UNSET
+        if outcome is not None and outcome not in _OK_ATTEMPT:
+            a[spans.ERROR_TYPE] = outcome
+            if att.error is not None:
+                a[spans.ERROR_MESSAGE] = att.error
+            status = Status(StatusCode.ERROR, att.error or outcome)
+        client_ctx = context(att.span_id or new_id(ids))
+        out.append(self._span(name, client_ctx, server_ctx, SpanKind.CLIENT, t0, t1, a, status))
+        INTERNAL = SpanKind.INTERNAL
+        if t_acquired >= t0 and t_acquired:
+            out.append(self._span(spans.ACQUIRE, context(new_id(ids)), client_ctx, INTERNAL, t0, t_acquired))
+            if t_written >= t_acquired:
+                out.append(self._span(spans.WRITE_UPSTREAM, context(new_id(ids)), client_ctx, INTERNAL,
+                                      t_acquired, t_written))
+                s1 = t_first or t_reply
+                if s1 >= t_written:
+                    out.append(self._span(spans.SERVICE_TIME, context(new_id(ids)), client_ctx, INTERNAL,
+                                          t_written, s1))
+                    if t_first and t_reply >= t_first:
+                        out.append(self._span(spans.READ_RESPONSE, context(new_id(ids)), client_ctx, INTERNAL,
+                                              t_first, t_reply))

@@ -1,0 +1,162 @@
+"""Hop metrics: counts equal the calls recorded, read back through prometheus_client's parser.
+
+Invariants: every recorded call adds exactly one sample to `call_duration` and one to
+`calls_total`, one to each hop it has timestamps for (attempt hops once per attempt); buckets
+are cumulative and end in +Inf = count; the method-label set never exceeds known + cap + the
+two fixed labels, whatever names clients send.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+import time
+import timeit
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.calls import NOT_SENT, SUCCESS, TIMEOUT, Call
+from proxy.metrics import BUCKETS, INVALID, OTHER, Metrics, call_outcome
+
+import test_telemetry_fixtures as fx
+
+
+def scrape(metrics: Metrics) -> dict:
+    """{family name: [(labels, value, sample name)]} from the text page."""
+    out = {}
+    for fam in text_string_to_metric_families(metrics.exposition().decode()):
+        out[fam.name] = [(s.labels, s.value, s.name) for s in fam.samples]
+    return out
+
+
+def series(fams, family, suffix, **labels):
+    return [(lab, v) for lab, v, name in fams[family] if name == family + suffix
+            and all(lab.get(k) == val for k, val in labels.items())]
+
+
+def value(fams, family, suffix, **labels):
+    (found,) = series(fams, family, suffix, **labels)
+    return found[1]
+
+
+def test_counts_equal_calls_recorded():
+    m = Metrics()
+    users = m.service("UserService", known_methods=("get_user", "list_users"))
+    makers = {"get_user": fx.call_success, "list_users": fx.call_streamed}
+    n = {"get_user": 37, "list_users": 5}
+    for method, count in n.items():
+        for _ in range(count):
+            users.record(makers[method]())
+    for _ in range(3):
+        users.record(fx.call_retry())      # get_user, 2 attempts, 1 backoff
+    users.record(fx.call_timeout())        # get_user
+    users.record(fx.call_oneway())         # log_event: not known, admitted under the cap
+    fams = scrape(m)
+
+    hop = "thrift_sidecar_hop_duration_seconds"
+    get_calls = 37 + 3 + 1
+    assert value(fams, hop, "_count", method="get_user", hop="read_request") == get_calls
+    assert value(fams, hop, "_count", method="get_user", hop="acquire") == 37 + 3 * 2 + 1
+    assert value(fams, hop, "_count", method="get_user", hop="read_response") == 37 + 3
+    assert value(fams, hop, "_count", method="get_user", hop="backoff") == 3
+    assert value(fams, hop, "_count", method="get_user", hop="write_response") == get_calls
+    assert value(fams, hop, "_count", method="list_users", hop="write_response") == 5
+    assert value(fams, hop, "_count", method="log_event", hop="write_upstream") == 1
+    assert not series(fams, hop, "_count", method="log_event", hop="write_response")
+    total = "thrift_sidecar_call_duration_seconds"
+    assert value(fams, total, "_count", service="UserService", method="get_user") == get_calls
+    assert value(fams, total, "_count", method="list_users") == 5
+    calls = "thrift_sidecar_calls"
+    assert value(fams, calls, "_total", method="get_user", outcome=SUCCESS) == 40
+    assert value(fams, calls, "_total", method="get_user", outcome=TIMEOUT) == 1
+    assert value(fams, calls, "_total", method="log_event", outcome=SUCCESS) == 1
+
+    # buckets: cumulative, +Inf equals the count; the 10 ms service times land in le=0.01, the
+    # failed attempts' waits (3 × 500 ms per-try timeouts, one 2 s route timeout) further up
+    buckets = series(fams, hop, "_bucket", method="get_user", hop="service_time")
+    counts = [v for _, v in buckets]
+    assert counts == sorted(counts) and buckets[-1][0]["le"] == "+Inf" and counts[-1] == 40 + 4
+    assert len(buckets) == len(BUCKETS) + 1
+    le = {lab["le"]: v for lab, v in buckets}
+    assert le["0.005"] == 0 and le["0.01"] == 40 and le["0.5"] == 43 and le["1.0"] == 43 and le["2.0"] == 44
+    service_sum = value(fams, hop, "_sum", method="get_user", hop="service_time")
+    assert abs(service_sum - (40 * 0.010 + 3 * 0.5 + 1.999799)) < 1e-6
+
+
+def test_bucket_edges_are_inclusive():
+    m = Metrics()
+    svc = m.service("S")
+    c = fx.call_success()
+    c.t_framed = c.t_start + 100_000  # exactly 0.1 ms: le="0.0001"
+    svc.record(c)
+    c2 = fx.call_success()
+    c2.t_framed = c2.t_start + 100_001
+    svc.record(c2)
+    le = {lab["le"]: v for lab, v in series(scrape(m), "thrift_sidecar_hop_duration_seconds", "_bucket",
+                                            hop="read_request")}
+    assert le["5e-05"] == 0 and le["0.0001"] == 1 and le["0.0002"] == 2
+
+
+def test_multiplexed_and_invalid_labels():
+    m = Metrics()
+    svc = m.service("Gateway", known_methods=("Users:get_user",))
+    svc.record(fx.call_success(fx.FakeMsg("Users:get_user")))
+    svc.record(fx.call_success(fx.FakeMsg("Orders:get_order")))
+    bad = Call(fx.CONN, None, fx.BASE, fx.BASE + 5000)
+    bad.error = "bad request: frame too large"
+    bad.t_done = bad.t_write = bad.t_framed + 1000
+    bad.t_acked = bad.t_write + 10_000
+    assert call_outcome(bad) == "bad_request"
+    svc.record(bad)
+    fams = scrape(m)
+    calls = "thrift_sidecar_calls"
+    assert value(fams, calls, "_total", service="Users", method="get_user") == 1
+    assert value(fams, calls, "_total", service="Orders", method="get_order") == 1
+    assert value(fams, calls, "_total", service="Gateway", method=INVALID, outcome="bad_request") == 1
+
+
+def test_label_cap_under_random_method_names():
+    m = Metrics()
+    known = ("get_user", "put_user")
+    svc = m.service("S", known_methods=known, max_methods=100)
+    rng = random.Random(7)
+    c = fx.call_success()
+    for _ in range(10_000):
+        c.msg = fx.FakeMsg("".join(rng.choice(string.ascii_letters) for _ in range(12)))
+        svc.record(c)
+    c.msg = fx.FakeMsg("get_user")
+    svc.record(c)
+    assert svc.label_count() == len(known) + 100 + 2  # + _OTHER and _INVALID
+    assert len(svc.by_name) == len(known) + 100
+    fams = scrape(m)
+    methods = {lab["method"] for lab, _, _ in fams["thrift_sidecar_calls"]}
+    assert len(methods) == len(known) - 1 + 100 + 1  # put_user never called; _OTHER
+    assert value(fams, "thrift_sidecar_calls", "_total", method=OTHER) == 10_000 - 100
+    assert value(fams, "thrift_sidecar_calls", "_total", method="get_user") == 1
+    assert sum(v for _, v, _ in fams["thrift_sidecar_calls"]) == 10_001
+
+
+def test_same_service_is_one_object_and_outcomes_are_derived():
+    m = Metrics()
+    assert m.service("S") is m.service("S", known_methods=("x",))
+    assert "x" in m.service("S").by_name
+    c = fx.call_success()
+    c.outcome = None
+    c.attempts[0].outcome = None
+    assert call_outcome(c) == SUCCESS
+    c.error = "not sent: no endpoint available"
+    c.written = False
+    assert call_outcome(c) == NOT_SENT
+
+
+def test_record_cost_printed():
+    """Benchmark, never a pass/fail: the loop's CPU per call for the hop histograms."""
+    m = Metrics()
+    svc = m.service("UserService", known_methods=("get_user",))
+    call, retry = fx.call_success(), fx.call_retry()
+    for c in (call, retry):
+        n = 20_000
+        per = min(timeit.repeat(lambda: svc.record(c), number=n, repeat=3, timer=time.thread_time)) / n
+        print(f"\nmetrics.record: {per * 1e6:.2f} µs/call ({len(c.attempts)} attempt(s))", end="")
+    page = min(timeit.repeat(m.exposition, number=20, repeat=3, timer=time.thread_time)) / 20
+    print(f"\nexposition: {page * 1e3:.2f} ms/scrape (1 method)")

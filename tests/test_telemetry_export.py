@@ -1,0 +1,251 @@
+"""The export queue and the span file.
+
+Queue invariants: it never holds more than its capacity (the excess is dropped and counted,
+never silently), `flush(timeout)` returns by its deadline even when the exporter hangs, and
+every accepted call ends up either exported or counted as failed.
+
+Span file invariant (DESIGN.md "Span file format"): each line is one OTLP/JSON
+ExportTraceServiceRequest — `resourceSpans → scopeSpans → spans`, camelCase keys, ids in
+lowercase hex, enums as integers — with the names and parent links the builder made.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import threading
+import time
+from types import SimpleNamespace
+
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from proxy import spans
+from proxy.exporter import (ExportQueue, JsonLinesSpanExporter, encode_json_line, encode_json_line_reference,
+                           make_exporter)
+from proxy.metrics import Metrics
+from proxy.telemetry import Telemetry
+
+import test_telemetry_fixtures as fx
+
+
+class GatedExporter(SpanExporter):
+    """Blocks in export until released (or for at most `hold` seconds)."""
+
+    def __init__(self, hold: float = 10.0) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.hold = hold
+        self.batches: list[int] = []
+        self.shut = False
+
+    def export(self, batch):
+        self.entered.set()
+        self.release.wait(self.hold)
+        self.batches.append(len(batch))
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self):
+        self.shut = True
+
+
+def one_span(item):
+    return [item]
+
+
+def test_queue_is_bounded_and_counts_drops():
+    gate = GatedExporter()
+    q = ExportQueue(gate, one_span, capacity=5, batch_size=100, interval=0.01)
+    try:
+        assert q.submit("first")
+        assert gate.entered.wait(5.0)  # the worker is stuck exporting "first"
+        accepted = [q.submit(i) for i in range(12)]
+        assert accepted == [True] * 5 + [False] * 7
+        assert q.size == 5 and q.dropped == 7
+        gate.release.set()
+        assert q.flush(5.0)
+        assert q.size == 0 and q.exported == 6 and q.failed == 0
+        assert sum(gate.batches) == 6
+    finally:
+        gate.release.set()
+        assert q.shutdown(5.0)
+    assert gate.shut
+    assert not q.submit("late") and q.dropped == 8  # after shutdown: dropped, counted
+
+
+def test_flush_deadline_is_honoured_with_a_hanging_exporter():
+    gate = GatedExporter(hold=30.0)
+    q = ExportQueue(gate, one_span, capacity=100, batch_size=10, interval=0.01)
+    try:
+        q.submit("x")
+        assert gate.entered.wait(5.0)
+        t0 = time.monotonic()
+        assert q.flush(0.2) is False
+        took = time.monotonic() - t0
+        assert 0.19 <= took < 2.0, took
+        t0 = time.monotonic()
+        assert q.shutdown(0.2) is False
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        gate.release.set()
+
+
+def test_batch_size_wakes_the_worker_before_the_interval():
+    memory = InMemorySpanExporter()
+    q = ExportQueue(memory, one_span, capacity=1000, batch_size=50, interval=30.0)
+    try:
+        time.sleep(0.05)  # let the worker start waiting on its 30 s interval
+        for i in range(50):
+            q.submit(i)
+        deadline = time.monotonic() + 5.0
+        while q.exported < 50 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert q.exported == 50
+    finally:
+        q.shutdown(2.0)
+
+
+def test_build_and_export_failures_are_counted():
+    class Failing(SpanExporter):
+        def export(self, batch):
+            return SpanExportResult.FAILURE
+
+    def build(item):
+        if item == "bad":
+            raise ValueError("broken call")
+        return [item]
+
+    q = ExportQueue(Failing(), build, interval=0.01)
+    try:
+        for item in ("a", "bad", "b"):
+            q.submit(item)
+        assert q.flush(5.0)
+        assert q.failed == 3 and q.exported == 0
+    finally:
+        q.shutdown(2.0)
+
+
+def test_metrics_expose_the_queue():
+    q = ExportQueue(InMemorySpanExporter(), one_span, capacity=7)
+    try:
+        q.dropped = 3
+        m = Metrics()
+        m.watch_exporter(q)
+        text = m.exposition().decode()
+        assert 'thrift_sidecar_spans_dropped_total{reason="queue_full"} 3.0' in text
+        assert "thrift_sidecar_span_queue_capacity 7.0" in text
+        assert "thrift_sidecar_span_queue_size 0.0" in text
+    finally:
+        q.shutdown(2.0)
+
+
+HEX32 = re.compile(r"[0-9a-f]{32}")
+HEX16 = re.compile(r"[0-9a-f]{16}")
+
+
+def test_jsonl_span_file(tmp_path):
+    path = tmp_path / "spans.jsonl"
+    cfg = SimpleNamespace(service_name="sidecar-file", exporter="jsonl", path=path, sample_ratio=1.0)
+    t = Telemetry(cfg, rng=random.Random(9), interval=0.01)
+    assert isinstance(t.exporter, JsonLinesSpanExporter)
+    calls = [fx.call_success(), fx.call_retry(), fx.call_timeout()]
+    for c in calls:
+        t.finished(c, "UserService", "users")
+        assert t.flush(5.0)  # one export (one line) per call here
+    assert t.shutdown(5.0)
+
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3
+    expected_counts = [8, 13, 7]
+    for line, count in zip(lines, expected_counts):
+        req = json.loads(line)
+        assert list(req) == ["resourceSpans"]
+        (rs,) = req["resourceSpans"]
+        attrs = {a["key"]: a["value"] for a in rs["resource"]["attributes"]}
+        assert attrs["service.name"] == {"stringValue": "sidecar-file"}
+        (ss,) = rs["scopeSpans"]
+        assert ss["scope"]["name"] == spans.INSTRUMENTATION_SCOPE
+        assert ss["schemaUrl"] == spans.SCHEMA_URL
+        out = ss["spans"]
+        assert len(out) == count
+        ids = {s["spanId"] for s in out}
+        server = [s for s in out if s["kind"] == 2]  # SPAN_KIND_SERVER as an integer
+        assert len(server) == 1 and server[0]["name"] == "UserService/get_user"
+        assert "parentSpanId" not in server[0]
+        for s in out:
+            assert HEX32.fullmatch(s["traceId"]) and s["traceId"] == server[0]["traceId"]
+            assert HEX16.fullmatch(s["spanId"])
+            assert int(s["endTimeUnixNano"]) >= int(s["startTimeUnixNano"]) > 1_600_000_000 * 10**9
+            if s is not server[0]:
+                assert s["parentSpanId"] in ids
+                assert s["name"] in spans.HOPS or s["kind"] == 3  # CLIENT
+        names = {s["name"] for s in out}
+        assert {"read_request", "acquire", "write_upstream", "service_time"} <= names
+    timeout = json.loads(lines[2])["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    server = [s for s in timeout if s["kind"] == 2][0]
+    assert server["status"]["code"] == 2  # STATUS_CODE_ERROR
+    attrs = {a["key"]: a["value"] for a in server["attributes"]}
+    assert attrs[spans.ERROR_TYPE] == {"stringValue": "timeout"}
+    assert attrs[spans.SAMPLED_BY] == {"stringValue": "head"}
+
+
+def test_make_exporter_by_config(tmp_path):
+    def cfg(**kw):
+        base = dict(service_name="s", exporter="none", otlp_protocol="grpc", endpoint=None,
+                    path=None, sample_ratio=0.01)
+        return SimpleNamespace(**{**base, **kw})
+
+    assert make_exporter(None) is None
+    assert make_exporter(cfg()) is None
+    console = make_exporter(cfg(exporter="console"))
+    assert type(console).__name__ == "ConsoleSpanExporter"
+    grpc = make_exporter(cfg(exporter="otlp", endpoint="http://127.0.0.1:4317"))
+    assert type(grpc).__module__.endswith("grpc.trace_exporter")
+    grpc.shutdown()
+    http = make_exporter(cfg(exporter="otlp", otlp_protocol="http", endpoint="http://127.0.0.1:4318"))
+    assert type(http).__module__.endswith("http.trace_exporter")
+    assert http._endpoint == "http://127.0.0.1:4318/v1/traces"
+    http.shutdown()
+    jsonl = make_exporter(cfg(exporter="jsonl", path=tmp_path / "x.jsonl"))
+    assert isinstance(jsonl, JsonLinesSpanExporter)
+    jsonl.shutdown()
+
+
+def test_queue_bounds_the_bytes_it_keeps_alive():
+    gate = GatedExporter()
+    q = ExportQueue(gate, one_span, capacity=100, batch_size=100, interval=0.01, max_bytes=1000)
+    try:
+        assert q.submit("first", 5000)  # alone in the queue: even a huge call is kept
+        assert gate.entered.wait(5.0)
+        assert q.queued_bytes == 5000
+        assert not q.submit("big", 5000) and q.dropped == 1  # the first one still holds its bytes
+        gate.release.set()
+        assert q.flush(5.0) and q.queued_bytes == 0
+        assert [q.submit(i, 300) for i in range(4)] == [True, True, True, False]
+        assert q.dropped == 2
+    finally:
+        gate.release.set()
+        q.shutdown(5.0)
+
+
+def test_span_file_encoder_matches_the_protobuf_json_mapping():
+    """The direct OTLP/JSON writer gives what encode_spans + MessageToDict (+ hex ids) gives."""
+    t = Telemetry(SimpleNamespace(service_name="sidecar-file", exporter="none", sample_ratio=1.0),
+                  rng=random.Random(11), exporter=None)
+    parented = fx.call_success(fx.FakeMsg(headers={
+        "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        "tracestate": "vendor=abc,other=x"}))
+    t.begin(parented)
+    streamed = fx.call_streamed()
+    streamed.loop_lag_ns = 93_500_000
+    never = fx.call_success()
+    never.t_acked, never.never_read = 0, True
+    out = []
+    for c in (fx.call_success(), fx.call_declared(), fx.call_retry(), fx.call_timeout(), fx.call_queued(),
+              fx.call_oneway(), streamed, parented, never):
+        out += t.build_spans(c, "UserService", "users", "head")
+    fast, reference = encode_json_line(out), encode_json_line_reference(out)
+    assert "\n" not in fast
+    assert json.loads(fast) == json.loads(reference)
+    assert json.loads(encode_json_line(out[:1])) == json.loads(encode_json_line_reference(out[:1]))
