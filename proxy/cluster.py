@@ -1,9 +1,16 @@
 """A cluster at run time: its endpoints, balancer, pools, and framing.
 
-`pick()` filters endpoints whose breaker is open (unless more than
-`max_open_percent` are open: then the cluster panics and ignores health),
+`pick()` filters endpoints whose breaker is open or whose active health check
+fails (unless more than `max_open_percent` are out: then the cluster panics
+and ignores health),
 then asks the balancer. `pool()` returns the pool for (endpoint, framing,
 protocol); TLS is the cluster's own, so the key is complete.
+
+`set_endpoints()` is how discovery (`proxy.discovery`) changes the set: kept
+endpoints keep their pools, counters, latency estimate and breaker; a removed
+endpoint is never picked again, its idle connections close now and busy ones
+when their exchange ends, and calls still waiting for one of its connections
+are served before its pools close. No call in flight fails because of a change.
 """
 
 from __future__ import annotations
@@ -11,9 +18,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl as ssl_mod
-from typing import Sequence
+from typing import Callable, Sequence
 
 from proxy.balancer import Balancer
+from proxy.breaker import panicking
 from proxy.codec import Framing, Protocol
 from proxy.endpoint import Endpoint
 from proxy.pool import Pool, PoolSettings
@@ -37,22 +45,34 @@ class Cluster:
         self.server_name = server_name
         self.max_open_percent = max_open_percent
         self.panicking = False
-        self.stats = {"calls": 0, "no_endpoint": 0}
+        self.stats = {"calls": 0, "no_endpoint": 0, "endpoint_changes": 0}
+        self.discovery = None     # a proxy.discovery source, started by start()
+        # Called with each endpoint discovery adds (e.g. to give it a breaker); static
+        # endpoints are set up where the cluster is built.
+        self.endpoint_setup: Callable[[Endpoint], None] | None = None
+        self._retiring: set[Pool] = set()
+        self._retire_timer: asyncio.TimerHandle | None = None
+
+    async def start(self) -> None:
+        """Lifecycle: the first discovery round (bounded), then its refresh loop as a task."""
+        if self.discovery is not None:
+            await self.discovery.start()
 
     def pick(self) -> Endpoint | None:
         eps = self.endpoints
         if not eps:
             self.stats["no_endpoint"] += 1
             return None
-        healthy = [ep for ep in eps if ep.breaker is None or ep.breaker.allows()]
+        healthy = [ep for ep in eps if ep.healthy and (ep.breaker is None or ep.breaker.allows())]
         if len(healthy) != len(eps):
-            open_pct = 100.0 * (len(eps) - len(healthy)) / len(eps)
-            panic = open_pct > self.max_open_percent
+            out = len(eps) - len(healthy)
+            panic = panicking(out, len(eps), self.max_open_percent)
             if panic != self.panicking:
                 self.panicking = panic
                 if panic:
-                    log.warning("cluster %s panics: %.0f%% of endpoints open (> %g%%); ignoring health",
-                                self.name, open_pct, self.max_open_percent)
+                    log.warning("cluster %s panics: %d of %d endpoints out (breaker open or health check "
+                                "failing; more than %g%%); ignoring health",
+                                self.name, out, len(eps), self.max_open_percent)
                 else:
                     log.info("cluster %s leaves panic", self.name)
             if not panic:
@@ -84,14 +104,44 @@ class Cluster:
                 cur.weight = ep.weight
                 new.append(cur)
             else:
+                if self.endpoint_setup is not None:
+                    self.endpoint_setup(ep)
                 new.append(ep)
         self.endpoints = new
+        self.stats["endpoint_changes"] += 1
         for gone in old.values():
             gone.removed = True
             for pool in gone.pools.values():
-                pool.close()  # idle ones now; busy ones once their exchange ends
+                self._retire(pool)
+
+    def _retire(self, pool: Pool) -> None:
+        """Close a removed endpoint's pool once no call waits for one of its connections.
+
+        Pool.close() would fail its waiters ("not sent"); they were promised a connection
+        (a busy one is released to them, or their acquire_timeout runs as usual).
+        """
+        if any(not w.done for w in pool.waiters):
+            self._retiring.add(pool)
+            if self._retire_timer is None:
+                self._retire_timer = self.loop.call_later(0.05, self._retire_pending)
+        else:
+            self._retiring.discard(pool)
+            pool.close()  # idle connections now; busy ones once their exchange ends
+
+    def _retire_pending(self) -> None:
+        self._retire_timer = None
+        for pool in list(self._retiring):
+            self._retire(pool)
 
     def close(self) -> None:
+        if self.discovery is not None:
+            self.discovery.close()
+        if self._retire_timer is not None:
+            self._retire_timer.cancel()
+            self._retire_timer = None
+        for pool in self._retiring:
+            pool.close()
+        self._retiring.clear()
         for ep in self.endpoints:
             for pool in ep.pools.values():
                 pool.close()
@@ -99,6 +149,7 @@ class Cluster:
     def snapshot(self) -> dict:
         return {
             "name": self.name, "panicking": self.panicking, **self.stats,
+            "discovery": self.discovery.snapshot() if self.discovery is not None else {"kind": "static"},
             "endpoints": [
                 {"address": ep.label, "weight": ep.weight, "outstanding": ep.outstanding,
                  "breaker": ep.breaker.state_name if ep.breaker is not None else "none",

@@ -1,9 +1,9 @@
 """An upstream endpoint: address, weight, load counters, and its pools.
 
-The balancer reads `outstanding` and `ewma`; the breaker (resilience) decides
-`available`. Pools are keyed by (framing, protocol) here — the endpoint and
-TLS are the endpoint's own — so the full pool key is (endpoint, framing,
-protocol, TLS).
+The balancer reads `outstanding` and `ewma`; the cluster skips an endpoint
+whose breaker (resilience) refuses or whose health check (health) fails.
+Pools are keyed by (framing, protocol) here — the endpoint and TLS are the
+endpoint's own — so the full pool key is (endpoint, framing, protocol, TLS).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from proxy.ewma import PeakEwmaEstimator
 
 class Endpoint:
     __slots__ = ("host", "port", "weight", "outstanding", "ewma", "pools", "removed", "label",
-                 "breaker", "calls", "failures")
+                 "breaker", "healthy", "calls", "failures")
 
     def __init__(self, host: str, port: int, weight: int = 1, clock=monotonic) -> None:
         self.host = host
@@ -27,6 +27,7 @@ class Endpoint:
         self.removed = False
         self.label = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self.breaker = None
+        self.healthy = True          # False while active health checks fail (proxy.health)
         self.calls = 0
         self.failures = 0
 

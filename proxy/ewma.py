@@ -1,4 +1,14 @@
-"""Peak-sensitive EWMA of latency (Finagle/linkerd's peak EWMA), with an injected clock."""
+"""Peak-sensitive EWMA of latency (Finagle's and linkerd's peak EWMA), with an injected clock.
+
+    observe(rtt):  rtt above the (decayed) estimate → the estimate jumps to rtt at once;
+                   otherwise it moves toward rtt, weighted by the time since the last sample:
+                   v = v·w + rtt·(1 − w), w = exp(−Δt / tau)
+    cost(load):    the estimate decayed to now (it drifts toward 0 while no samples come, so
+                   an endpoint avoided for being slow is probed again) × (load + 1), load
+                   being outstanding requests (per unit of weight); an endpoint with no
+                   sample yet costs 0 while idle and `penalty + load` once it has work (it is
+                   tried, but not flooded).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +17,6 @@ from typing import Callable
 
 
 class PeakEwmaEstimator:
-    """Peak-sensitive EWMA of latency: jumps up at once, decays with time constant `tau`."""
-
     __slots__ = ("value", "stamp", "tau", "clock", "penalty")
 
     def __init__(self, clock: Callable[[], float], tau: float = 10.0, initial: float = 0.0,
@@ -17,21 +25,27 @@ class PeakEwmaEstimator:
         self.stamp = clock()
         self.tau = tau
         self.clock = clock
-        self.penalty = penalty  # cost of an endpoint with no samples and work queued (seconds)
+        self.penalty = penalty  # seconds: the cost of an unmeasured endpoint with work queued
+
+    def _decayed(self, now: float) -> tuple[float, float]:
+        w = math.exp(-max(now - self.stamp, 0.0) / self.tau)
+        return self.value * w, w
 
     def observe(self, rtt: float) -> None:
         now = self.clock()
-        if rtt > self.value:
+        decayed, w = self._decayed(now)
+        if rtt > decayed:
             self.value = rtt
         else:
-            w = math.exp(-(now - self.stamp) / self.tau)
-            self.value = self.value * w + rtt * (1 - w)
+            self.value = decayed + rtt * (1 - w)
         self.stamp = now
 
-    def cost(self, outstanding: int) -> float:
-        now = self.clock()
-        w = math.exp(-(now - self.stamp) / self.tau)
-        v = self.value * w
-        if v == 0.0 and outstanding:
-            return self.penalty + outstanding
-        return v * (outstanding + 1)
+    def estimate(self) -> float:
+        """The latency estimate now (seconds); 0 before the first sample."""
+        return self._decayed(self.clock())[0]
+
+    def cost(self, load: float) -> float:
+        v = self._decayed(self.clock())[0]
+        if v == 0.0 and load:
+            return self.penalty + load
+        return v * (load + 1)

@@ -31,6 +31,7 @@ from time import monotonic_ns
 from proxy import calls
 from proxy.breaker import classify_for_breaker
 from proxy.calls import Attempt, Call
+from proxy.codec.rename import strip_service
 from proxy.codec import AppErrorType, Message, MessageType, Protocol, exception_reply, reframe
 from proxy.retry import RetryPolicy
 from proxy.upstream import UpstreamError
@@ -89,7 +90,7 @@ class Pipeline:
             if not limits.try_enter_request():
                 self.stats["limit_rejections"] += 1
                 self._give_up(call, UpstreamError(
-                    f"cluster '{cluster.name}' has max_requests {limits.limits.max_requests} calls in flight",
+                    f"cluster '{cluster.name}' has max_requests {limits.max_requests} calls in flight",
                     written=False, endpoint_fault=False))
                 return
             call.holds_request = True
@@ -159,7 +160,7 @@ class Pipeline:
             if not limits.try_enter_pending():
                 self.stats["limit_rejections"] += 1
                 self.attempt_failed(attempt, UpstreamError(
-                    f"cluster '{cluster.name}' has max_pending {limits.limits.max_pending} calls "
+                    f"cluster '{cluster.name}' has max_pending {limits.max_pending} calls "
                     "waiting for a connection", written=False, endpoint_fault=False))
                 return
             attempt.pending = True
@@ -182,11 +183,13 @@ class Pipeline:
                 headers[CLIENT_TIMEOUT_HEADER] = str(max(int((call.deadline - self.loop.time()) * 1000), 1))
             if self.on_send is not None:
                 self.on_send(attempt, headers)
-            data = reframe(call.msg, framing, headers)
+            data = (strip_service(call.msg, framing, headers) if call.route.strip_service
+                    else reframe(call.msg, framing, headers))
         else:
             data = call._request.get(framing)
             if data is None:
-                data = call._request[framing] = reframe(call.msg, framing)
+                data = call._request[framing] = (strip_service(call.msg, framing) if call.route.strip_service
+                                                 else reframe(call.msg, framing))
         attempt.endpoint.outstanding += 1
         call.written = True
         conn.exchange(None if call.oneway else attempt, data)

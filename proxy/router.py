@@ -1,12 +1,17 @@
-"""Routes: first match wins; a route without a match is the default.
+"""Routes: which cluster a call goes to. First match wins; a route without a match is the default.
 
-Match kinds: method name (exact, prefix `get_*`, or any glob), multiplexed
-service name (the `Svc` of `Svc:method`), THeader header values (exact,
-regex, present), each optionally inverted. A route names one cluster or
-weighted clusters (canary splits, picked with the injected RNG).
+Match kinds, all of a route's tests must hold (then `invert` flips the result):
+    method    exact name, prefix (`get_*`) or any glob (`[gs]et_?ser`), on the bare name
+    service   the multiplexed service (the `Svc` of `Svc:method`); a plain call has none
+    header    THeader info headers: exact value, regex (full match), or present / absent
+A route names one cluster or weighted clusters (canary splits, picked with the
+injected RNG). `strip_service` is applied by the pipeline when it writes the
+request (`proxy.codec.rename.strip_service`).
 
-Routes that do not look at headers depend only on the message name, so the
-router caches name → route (bounded) and the hot path is one dict lookup.
+Hot path: a route's name tests depend only on the message name, so the router
+keeps, per name (bounded), what is left to decide: the routes whose outcome
+depends on headers, in order, and the route that wins if none of them does.
+Without header routes that is one dict lookup.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ _CACHE_MAX = 4096
 
 @dataclass(frozen=True, slots=True)
 class HeaderMatch:
+    """One THeader header test: exactly one of exact, regex or present is set."""
+
     name: str
     exact: str | None = None
     regex: re.Pattern | None = None
@@ -41,13 +48,13 @@ class HeaderMatch:
 
 
 def method_matcher(pattern: str) -> Callable[[str], bool]:
-    """Exact name, or a glob (`get_*`, `*_v2`, `[gs]et_user`)."""
+    """Exact name, a prefix (`get_*`), or any other glob (`*_v2`, `[gs]et_user`); case-sensitive."""
     if not any(c in pattern for c in "*?["):
         return pattern.__eq__
     if pattern.endswith("*") and not any(c in pattern[:-1] for c in "*?["):
         prefix = pattern[:-1]
         return lambda name: name.startswith(prefix)
-    rx = re.compile(fnmatch.translate(pattern))
+    rx = re.compile(fnmatch.translate(pattern))  # translate() anchors at the end; match() at the start
     return lambda name: rx.match(name) is not None
 
 
@@ -66,14 +73,14 @@ class Route:
     rng: random_mod.Random = field(default_factory=random_mod.Random)
     index: int = 0
 
-    def matches(self, service: str | None, method: str, headers: dict[str, str]) -> bool:
-        ok = True
+    def name_matches(self, service: str | None, method: str) -> bool:
+        """The method and service tests only (before `invert`)."""
         if self.method is not None and not self.method(method):
-            ok = False
-        elif self.service is not None and service != self.service:
-            ok = False
-        elif self.headers and not all(h(headers) for h in self.headers):
-            ok = False
+            return False
+        return self.service is None or service == self.service
+
+    def matches(self, service: str | None, method: str, headers: dict[str, str]) -> bool:
+        ok = self.name_matches(service, method) and all(h(headers) for h in self.headers)
         return ok != self.invert
 
     @property
@@ -89,30 +96,58 @@ class Route:
             x -= w
             if x < 0:
                 return c
+        for c, w in zip(reversed(clusters), reversed(self.weights)):  # float rounding at the top end
+            if w:
+                return c
         return clusters[-1]
+
+
+def _split(name: str) -> tuple[str | None, str]:
+    i = name.find(":")
+    return (name[:i], name[i + 1:]) if i >= 0 else (None, name)
 
 
 class Router:
     def __init__(self, routes: Sequence[Route]) -> None:
         self.routes = list(routes)
-        self._by_headers = any(r.headers for r in self.routes)
-        self._cache: dict[str, Route | None] = {}
+        # name -> (routes still to test on headers, in order; the route if none matches)
+        self._cache: dict[str, tuple[tuple[Route, ...], Route | None]] = {}
 
     def route(self, msg) -> Route | None:
         name = msg.name
-        if not self._by_headers:
-            try:
-                return self._cache[name]
-            except KeyError:
-                pass
-        r = self._match(msg.service, msg.method, msg.headers if self._by_headers else {})
-        if not self._by_headers:
-            if len(self._cache) >= _CACHE_MAX:
-                self._cache.clear()
-            self._cache[name] = r
-        return r
+        plan = self._cache.get(name)
+        if plan is None:
+            plan = self._plan(name)
+        pending, fallback = plan
+        if pending:
+            headers = msg.headers
+            for r in pending:
+                if all(h(headers) for h in r.headers) != r.invert:
+                    return r
+        return fallback
 
-    def _match(self, service: str | None, method: str, headers: dict[str, str]) -> Route | None:
+    def _plan(self, name: str) -> tuple[tuple[Route, ...], Route | None]:
+        """What the name alone decides. A header route whose name tests fail is settled too:
+        it matches exactly when inverted."""
+        service, method = _split(name)
+        pending: list[Route] = []
+        fallback = None
+        for r in self.routes:
+            name_ok = r.name_matches(service, method)
+            if r.headers and name_ok:
+                pending.append(r)
+                continue
+            if name_ok != r.invert:
+                fallback = r
+                break
+        plan = (tuple(pending), fallback)
+        if len(self._cache) >= _CACHE_MAX:
+            self._cache.clear()
+        self._cache[name] = plan
+        return plan
+
+    def match(self, service: str | None, method: str, headers: dict[str, str]) -> Route | None:
+        """The plain first-match scan (what `route` computes, without the cache)."""
         for r in self.routes:
             if r.matches(service, method, headers):
                 return r

@@ -22,15 +22,19 @@ import time
 from typing import Any
 
 from proxy import config as cfgmod
+from proxy import resilience
+from proxy.clock import monotonic
 from proxy.balancer import make_balancer
 from proxy.cluster import Cluster
 from proxy.codec import Framing, Protocol
-from proxy.endpoint import Endpoint
+from proxy.health import HealthChecker
+from proxy.discovery import Resolver, make_source, static_endpoints
 from proxy.listener import ListenerSettings, ListenerState
 from proxy.pipeline import Pipeline
 from proxy.pool import PoolSettings
 from proxy.router import HeaderMatch, Route, Router, method_matcher
 from proxy.sockets import raise_nofile_limit
+from proxy.tls import client_context
 
 log = logging.getLogger("proxy")
 
@@ -49,16 +53,20 @@ def _protocol(name: str | None) -> Protocol | None:
     return Protocol(name)
 
 
-def build_cluster(c: cfgmod.Cluster, loop: asyncio.AbstractEventLoop, rng: random.Random) -> Cluster:
-    endpoints = []
-    if c.endpoints.static is not None:
-        endpoints = [Endpoint(e.address.host, e.address.port, e.weight) for e in c.endpoints.static]
+def build_cluster(c: cfgmod.Cluster, loop: asyncio.AbstractEventLoop, rng: random.Random,
+                  resolver: Resolver | None = None) -> Cluster:
+    """A cluster and its endpoint source; TLS files are read here, so each config load re-reads them."""
+    endpoints = static_endpoints(c.endpoints.static) if c.endpoints.static is not None else []
     pool = PoolSettings(max_connections=c.pool.max_connections, idle_timeout=c.pool.idle_timeout,
                         acquire_timeout=c.pool.acquire_timeout, connect_timeout=c.connect_timeout,
                         max_reply_size=c.max_reply_size)
-    return Cluster(c.name, loop, endpoints, make_balancer(c.load_balancer, rng=rng), pool,
-                   framing=_framing(c.transport), protocol=_protocol(c.protocol),
-                   max_open_percent=c.circuit_breaker.max_open_percent)
+    cluster = Cluster(c.name, loop, endpoints, make_balancer(c.load_balancer, rng=rng), pool,
+                      framing=_framing(c.transport), protocol=_protocol(c.protocol),
+                      ssl=client_context(c.tls, c.name) if c.tls is not None else None,
+                      server_name=c.tls.server_name if c.tls is not None else None,
+                      max_open_percent=c.circuit_breaker.max_open_percent)
+    cluster.discovery = make_source(cluster, c.endpoints, resolver)
+    return cluster
 
 
 def build_route(r: cfgmod.Route, index: int, clusters: dict[str, Cluster], rng: random.Random) -> Route:
@@ -81,12 +89,19 @@ class Server:
     """Everything one config file describes, running on one loop."""
 
     def __init__(self, config: cfgmod.Config, loop: asyncio.AbstractEventLoop | None = None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, resolver: Resolver | None = None) -> None:
         self.config = config
         self.loop = loop or asyncio.get_running_loop()
         self.rng = rng or random.Random()
         self.clusters: dict[str, Cluster] = {
-            c.name: build_cluster(c, self.loop, self.rng) for c in config.clusters}
+            c.name: build_cluster(c, self.loop, self.rng, resolver) for c in config.clusters}
+        self.health: list[HealthChecker] = []
+        for c in config.clusters:
+            cluster = self.clusters[c.name]
+            resilience.attach(cluster, c, monotonic)
+            if c.health_check is not None:
+                self.health.append(HealthChecker(cluster, c.health_check.method, c.health_check.interval,
+                                                 c.health_check.timeout))
         self.listeners: dict[str, ListenerState] = {}
         self.servers: dict[str, asyncio.base_events.Server] = {}
         self.ready = False
@@ -95,7 +110,7 @@ class Server:
 
     def build_listener(self, lc: cfgmod.Listener) -> ListenerState:
         router = Router([build_route(r, i, self.clusters, self.rng) for i, r in enumerate(lc.routes)])
-        pipeline = Pipeline(lc.name, router, frozenset(lc.oneway_methods))
+        pipeline = Pipeline(lc.name, router, frozenset(lc.oneway_methods), self.loop, self.rng)
         settings = ListenerSettings(
             name=lc.name, framing=_framing(lc.transport), protocol=_protocol(lc.protocol),
             max_frame_size=lc.max_frame_size, max_connections=lc.max_connections,
@@ -103,6 +118,9 @@ class Server:
         return ListenerState(settings, pipeline, self.loop)
 
     async def start(self) -> None:
+        await asyncio.gather(*(c.start() for c in self.clusters.values()))  # first discovery round
+        for h in self.health:
+            h.start()
         for lc in self.config.listeners:
             state = self.build_listener(lc)
             srv = await self.loop.create_server(
@@ -155,6 +173,8 @@ class Server:
             for conn in list(state.connections):
                 if conn.transport is not None:
                     conn.transport.close()
+        for h in self.health:
+            h.close()
         for c in self.clusters.values():
             c.close()
         for srv in self.servers.values():

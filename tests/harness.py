@@ -76,15 +76,27 @@ class Handler:
         self.events: list[str] = []
         self.calls = 0
         self.sleep_ms = 0
+        self.drop_after: set[str] = set()  # methods that run, then lose the connection unanswered
+        self.throw: set[str] = set()       # methods that raise (a TApplicationException reply)
+        self.local = threading.local()     # .sock: the connection the current call came on
 
-    def _hit(self) -> None:
+    def _hit(self, method: str = "") -> None:
         with self.lock:
             self.calls += 1
         if self.sleep_ms:
             time.sleep(self.sleep_ms / 1000)
+        if method in self.throw:
+            raise RuntimeError(f"{method} is failing on purpose")
+
+    def _maybe_drop(self, method: str) -> None:
+        if method in self.drop_after:
+            sock = getattr(self.local, "sock", None)
+            if sock is not None:
+                sock.shutdown(socket.SHUT_RDWR)
+            raise ConnectionAbortedError("dropped after reading the request")
 
     def ping(self):
-        self._hit()
+        self._hit("ping")
 
     def roundtrip(self, e):
         self._hit()
@@ -101,7 +113,8 @@ class Handler:
         return make_users(count)
 
     def lookup(self, key):
-        self._hit()
+        self._hit("lookup")
+        self._maybe_drop("lookup")
         if key == "missing":
             raise NotFound(what=key, code=404)
         if key == "down":
@@ -120,10 +133,11 @@ class Handler:
             self.counts["event:" + event] = self.counts.get("event:" + event, 0) + 1
 
     def incr(self, key):
-        self._hit()
+        self._hit("incr")
         with self.lock:
             n = self.counts.get(key, 0) + 1
             self.counts[key] = n
+        self._maybe_drop("incr")
         return n
 
     def count(self, key):
@@ -218,6 +232,7 @@ class ThriftServer:
         trans = _wrap_transport(self.framing, ts)
         prot = _protocol_factory(self.framing, self.protocol).getProtocol(trans)
         processor = self._processor()
+        self.handler.local.sock = c
         try:
             while True:
                 if self.idle_close is not None:
@@ -333,7 +348,8 @@ clusters:
 class Proxy:
     """The sidecar in a background thread with its own uvloop loop (in-process)."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, **server_kwargs) -> None:
+        """`server_kwargs` go to Server (e.g. `resolver=` for DNS discovery)."""
         from proxy import config as cfgmod
         from proxy.server import Server
         import uvloop
@@ -349,7 +365,7 @@ class Proxy:
 
             async def main() -> None:
                 try:
-                    self.server = Server(self.config, self.loop)
+                    self.server = Server(self.config, self.loop, **server_kwargs)
                     await self.server.start()
                 except BaseException as e:  # pragma: no cover - surfaced below
                     self._error = e

@@ -367,3 +367,18 @@ def test_oversized_frame_refused_with_protocol_error():
                 c.ping()
     finally:
         up.stop()
+
+
+@pytest.mark.parametrize("framing,protocol", [("framed", "binary"), ("buffered", "compact"), ("header", "compact")])
+def test_strip_service_forwards_bare_names_to_a_plain_server(framing, protocol):
+    up = ThriftServer(framing, protocol)  # not multiplexed: it only knows bare names
+    text = config_text([up.address], transport=framing, protocol=protocol).replace(
+        "    routes:\n      - cluster: up",
+        "    routes:\n      - match: {service: TestService}\n        cluster: up\n        strip_service: true")
+    try:
+        with Proxy(text) as p:
+            with client(p.port(), framing, protocol, service="TestService") as c:
+                assert c.roundtrip(everything()) == everything()
+                assert c.lookup("z") == "upstream:z"
+    finally:
+        up.stop()

@@ -1,0 +1,269 @@
+"""Endpoint discovery: where a cluster's endpoints come from, kept current.
+
+    endpoints: [a:1, {address: b:2, weight: 3}]     static: fixed at load
+    endpoints: {dns: {name: users.ns.svc:9090, refresh: 5s}}
+                 every A and AAAA record becomes an endpoint on that port; re-resolved
+                 every `refresh` (Kubernetes headless services)
+    endpoints: {file: /etc/sidecar/users.yaml}
+                 a YAML list of `host:port` or `{address: host:port, weight: N}`, watched
+
+A source hands each new set to `Cluster.set_endpoints`, which keeps what stays
+(pools, counters, breakers) and retires what went (see `proxy.cluster`); an
+unchanged set is not handed on. A failed or empty resolution, and a missing,
+unparsable or empty file, keep the last good set and log why: losing every
+endpoint because DNS hiccuped or a file was half-written would turn a blip
+into an outage. (To empty a cluster, point its route elsewhere.)
+
+File watching polls `stat()` of the path every `interval` (0.5 s): device,
+inode, size and mtime of what the path resolves to *now*, plus the resolved
+path itself. A Kubernetes ConfigMap volume updates by writing a new
+`..2026_...` directory and atomically renaming the `..data` symlink over the
+old one; the file's path goes through `..data`, so its resolved target (and
+inode) change at that instant even though nothing was written to the old
+file. Polling needs no platform API and catches edits in place, renames and
+symlink swaps alike; inotify would watch the old inode through a swap.
+
+The resolver is injected (`async resolver(host) -> iterable of addresses`);
+the default asks the system (`loop.getaddrinfo`, A and AAAA). The loops are
+lifecycle tasks: `start()` runs the first round (bounded) before the
+listeners open, `close()` cancels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from pathlib import Path
+from time import monotonic
+from typing import Awaitable, Callable, Iterable
+
+import yaml
+from pydantic import ValidationError
+
+from proxy import config as cfgmod
+from proxy.endpoint import Endpoint
+
+log = logging.getLogger(__name__)
+
+Resolver = Callable[[str], Awaitable[Iterable[str]]]
+Spec = tuple[str, int, int]  # host, port, weight
+
+FILE_POLL_INTERVAL = 0.5
+MAX_ENDPOINTS_FILE = 4 * 1024 * 1024  # bytes; a bigger file is refused
+
+
+async def system_resolver(host: str) -> list[str]:
+    """Every A and AAAA address of `host` (the system resolver, in the loop's thread pool)."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, None, family=socket.AF_UNSPEC, type=socket.SOCK_STREAM)
+    return [info[4][0] for info in infos if info[0] in (socket.AF_INET, socket.AF_INET6)]
+
+
+def static_endpoints(eps: Iterable[cfgmod.Endpoint]) -> list[Endpoint]:
+    return [Endpoint(e.address.host, e.address.port, e.weight) for e in eps]
+
+
+class Source:
+    """One cluster's endpoint source: first round in `start()`, then `_loop()` as a task."""
+
+    kind = "?"
+
+    def __init__(self, cluster) -> None:
+        self.cluster = cluster
+        self.task: asyncio.Task | None = None
+        self.current: tuple[Spec, ...] | None = None  # the last good set, sorted
+        self.last_error: str | None = None
+        self.updates = 0
+        self.failures = 0
+        self.last_update = 0.0
+
+    async def start(self) -> None:
+        await self.refresh()
+        self.task = asyncio.get_running_loop().create_task(self._loop(), name=f"discovery:{self.cluster.name}")
+
+    def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            self.task = None
+
+    async def refresh(self) -> None:
+        raise NotImplementedError
+
+    async def _loop(self) -> None:
+        raise NotImplementedError
+
+    # -- shared bookkeeping ---------------------------------------------------
+
+    def apply(self, specs: Iterable[Spec], origin: str) -> bool:
+        """A good set: hand it to the cluster if it differs from the current one."""
+        if self.last_error is not None:
+            log.info("cluster %s: %s works again", self.cluster.name, origin)
+        self.last_error = None
+        new = tuple(sorted(set(specs)))
+        if new == self.current:
+            return False
+        before = {(h, p) for h, p, _ in self.current or ()}
+        after = {(h, p) for h, p, _ in new}
+        self.current = new
+        self.updates += 1
+        self.last_update = monotonic()
+        self.cluster.set_endpoints([Endpoint(h, p, w) for h, p, w in new])
+        log.info("cluster %s: %d endpoints from %s (added %s; removed %s)", self.cluster.name, len(new),
+                 origin, _labels(after - before) or "none", _labels(before - after) or "none")
+        return True
+
+    def fail(self, origin: str, why: str) -> None:
+        """A bad round: keep the last good set; say why (again only when the reason changes)."""
+        self.failures += 1
+        kept = len(self.current or ())
+        level = logging.WARNING if why != self.last_error else logging.DEBUG
+        log.log(level, "cluster %s: %s: %s; keeping the last good set (%d endpoints)",
+                self.cluster.name, origin, why, kept)
+        self.last_error = why
+
+    def snapshot(self) -> dict:
+        return {"kind": self.kind, "endpoints": len(self.current or ()), "updates": self.updates,
+                "failures": self.failures, "last_error": self.last_error}
+
+
+class DnsSource(Source):
+    kind = "dns"
+
+    def __init__(self, cluster, host: str, port: int, refresh: float, resolver: Resolver | None = None,
+                 timeout: float | None = None) -> None:
+        super().__init__(cluster)
+        self.host = host
+        self.port = port
+        self.interval = refresh
+        self.resolver = resolver or system_resolver
+        # A resolution may take at most this long (a hung resolver must not stall the loop).
+        self.timeout = timeout if timeout is not None else min(max(refresh, 1.0), 10.0)
+        self.origin = f"dns {host}:{port}"
+
+    async def refresh(self) -> None:
+        try:
+            async with asyncio.timeout(self.timeout):
+                addresses = await self.resolver(self.host)
+            addresses = {str(a) for a in addresses}
+        except asyncio.CancelledError:
+            raise
+        except TimeoutError:
+            self.fail(self.origin, f"resolution timed out after {self.timeout:g}s")
+            return
+        except Exception as e:  # noqa: BLE001 - any resolver failure keeps the last good set
+            self.fail(self.origin, f"resolution failed: {_why(e)}")
+            return
+        if not addresses:
+            self.fail(self.origin, "resolution returned no addresses")
+            return
+        self.apply(((a, self.port, 1) for a in addresses), self.origin)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            await self.refresh()
+
+
+def file_signature(path: Path) -> tuple | None:
+    """What changes when the file at `path` (through any symlinks) changes; None if missing."""
+    try:
+        st = os.stat(path)
+        real = os.path.realpath(path)
+    except OSError:
+        return None
+    return (real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def parse_endpoints_file(text: str) -> list[Spec]:
+    """A YAML list of `host:port` or `{address: host:port, weight: N}`; raises ValueError."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ValueError(f"not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
+    if data is None:
+        raise ValueError("no endpoints (empty file)")
+    if not isinstance(data, list):
+        raise ValueError("must be a YAML list of host:port or {address: host:port, weight: N}")
+    if not data:
+        raise ValueError("no endpoints (empty list)")
+    out: list[Spec] = []
+    seen: set[tuple[str, int]] = set()
+    for i, item in enumerate(data):
+        bare = isinstance(item, str)
+        if bare:
+            item = {"address": item}
+        if not isinstance(item, dict):
+            raise ValueError(f"[{i}]: must be host:port or {{address: host:port, weight: N}}")
+        try:
+            ep = cfgmod.Endpoint.model_validate(item)
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = "" if bare else ".".join(str(x) for x in err["loc"])
+            raise ValueError(f"[{i}]{'.' + loc if loc else ''}: {err['msg'].removeprefix('Value error, ')}") from None
+        key = (ep.address.host, ep.address.port)
+        if key in seen:
+            raise ValueError(f"[{i}]: duplicate endpoint {ep.address}")
+        seen.add(key)
+        out.append((ep.address.host, ep.address.port, ep.weight))
+    return out
+
+
+class FileSource(Source):
+    kind = "file"
+
+    def __init__(self, cluster, path: Path, interval: float = FILE_POLL_INTERVAL) -> None:
+        super().__init__(cluster)
+        self.path = Path(path)
+        self.interval = interval
+        self.signature: tuple | None = None
+        self.origin = f"endpoints file {self.path}"
+
+    async def refresh(self) -> None:
+        sig = file_signature(self.path)
+        self.signature = sig
+        if sig is None:
+            self.fail(self.origin, "missing or unreadable")
+            return
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read(MAX_ENDPOINTS_FILE + 1)
+            if len(raw) > MAX_ENDPOINTS_FILE:
+                raise ValueError(f"larger than {MAX_ENDPOINTS_FILE} bytes")
+            specs = parse_endpoints_file(raw.decode("utf-8"))
+        except OSError as e:
+            self.fail(self.origin, e.strerror or str(e))
+            return
+        except (ValueError, UnicodeDecodeError) as e:
+            self.fail(self.origin, str(e))
+            return
+        self.apply(specs, self.origin)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            if file_signature(self.path) != self.signature:
+                await self.refresh()
+
+
+def make_source(cluster, endpoints: cfgmod.Endpoints, resolver: Resolver | None = None) -> Source | None:
+    """The source for a cluster's `endpoints` config; None for a static list."""
+    if endpoints.dns is not None:
+        d = endpoints.dns
+        return DnsSource(cluster, d.name.host, d.name.port, d.refresh, resolver)
+    if endpoints.file is not None:
+        return FileSource(cluster, endpoints.file)
+    return None
+
+
+def _labels(keys) -> str:
+    return ", ".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in sorted(keys))
+
+
+def _why(e: Exception) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return str(e) or type(e).__name__

@@ -1,0 +1,107 @@
+"""Active health checks: call a configured Thrift method on each endpoint every `interval`.
+
+A TApplicationException, a declared exception, a timeout or a connection
+failure is a failed check; one failed check takes the endpoint out
+(`ep.healthy = False`, so the balancer skips it like an open breaker) and one
+passing check brings it back. Needs the cluster's framing and protocol (the
+config enforces it). Lifecycle work: one task per cluster, its own
+connections (never the pool's), so checks never queue behind calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from proxy.codec import Decoder, Framing, MessageType, Protocol, ProtocolError, frame_payload
+from proxy.codec.heads import encode_head
+
+log = logging.getLogger(__name__)
+
+
+def check_request(method: str, seqid: int, framing: Framing, protocol: Protocol) -> bytes:
+    """A CALL of `method` with no arguments (an empty args struct)."""
+    payload = bytes(encode_head(method, MessageType.CALL, seqid, protocol)) + b"\x00"
+    return frame_payload(payload, framing, protocol, seqid)
+
+
+async def check_once(host: str, port: int, method: str, framing: Framing, protocol: Protocol,
+                     timeout: float, seqid: int = 1, ssl=None, server_hostname=None) -> str | None:
+    """None when healthy, else why not."""
+    writer = None
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(
+                host, port, ssl=ssl, server_hostname=server_hostname if ssl else None)
+            writer.write(check_request(method, seqid, framing, protocol))
+            dec = Decoder(framing, protocol)
+            while True:
+                data = await reader.read(65536)
+                if not data:
+                    return "connection closed before the reply"
+                dec.feed(data)
+                reply = dec.next_message()
+                if reply is not None:
+                    break
+    except TimeoutError:
+        return f"no reply within {timeout * 1000:.0f}ms"
+    except OSError as e:
+        return f"connect failed: {e.strerror or e}"
+    except ProtocolError as e:
+        return f"bad reply: {e.message}"
+    finally:
+        if writer is not None:
+            writer.close()
+    if reply.type == MessageType.EXCEPTION:
+        return "TApplicationException"
+    if reply.seqid != seqid:
+        return f"reply seqid {reply.seqid} != {seqid}"
+    field = reply.result_field()
+    if field is not None and field > 0:
+        return f"declared exception (result field {field})"
+    return None
+
+
+class HealthChecker:
+    """Checks every endpoint of one cluster; logs and counts each change once."""
+
+    def __init__(self, cluster, method: str, interval: float, timeout: float) -> None:
+        self.cluster = cluster
+        self.method = method
+        self.interval = interval
+        self.timeout = timeout
+        self.task: asyncio.Task | None = None
+        self.stats = {"checks": 0, "failures": 0, "taken_out": 0, "brought_back": 0}
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+    async def _run(self) -> None:
+        seqid = 0
+        while True:
+            eps = list(self.cluster.endpoints)
+            seqid += 1
+            results = await asyncio.gather(*(
+                check_once(ep.host, ep.port, self.method, self.cluster.framing, self.cluster.protocol,
+                           self.timeout, seqid, self.cluster.ssl, self.cluster.server_name or ep.host)
+                for ep in eps))
+            for ep, why in zip(eps, results):
+                self.stats["checks"] += 1
+                healthy = why is None
+                if not healthy:
+                    self.stats["failures"] += 1
+                if healthy != ep.healthy:
+                    ep.healthy = healthy
+                    if healthy:
+                        self.stats["brought_back"] += 1
+                        log.warning("health check of %s in cluster %s passes again: back in",
+                                    ep.label, self.cluster.name)
+                    else:
+                        self.stats["taken_out"] += 1
+                        log.warning("health check %s() of %s in cluster %s failed: %s; taken out",
+                                    self.method, ep.label, self.cluster.name, why)
+            await asyncio.sleep(self.interval)

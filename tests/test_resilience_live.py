@@ -1,0 +1,221 @@
+"""Resilience with real upstream servers: kills, stalls, drops, outages, limits, health checks.
+
+At least 8 concurrent client connections and thousands of calls where the
+issue asks for them; time is looked at with medians and one-sided bounds.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from thrift.Thrift import TApplicationException
+
+from harness import Proxy, ThriftServer, client
+
+
+def cfg(upstreams, route_extra="", cluster_extra="", lb="round_robin", listener_extra="") -> str:
+    eps = ", ".join(u.address if hasattr(u, "address") else u for u in upstreams)
+    return f"""
+listeners:
+  - name: test
+    service: TestService
+    listen: 127.0.0.1:0{listener_extra}
+    routes:
+      - cluster: up{route_extra}
+clusters:
+  - name: up
+    endpoints: [{eps}]
+    load_balancer: {lb}{cluster_extra}
+"""
+
+
+def load(port: int, conns: int, calls: int, fn, during=None) -> list:
+    """`calls` calls spread over `conns` client connections; returns (ok, error, seconds) per call."""
+    results = []
+    lock = threading.Lock()
+    counter = iter(range(calls))
+
+    def worker() -> None:
+        with client(port) as c:
+            for i in counter:
+                t0 = time.monotonic()
+                try:
+                    fn(c, i)
+                    r = (True, None, time.monotonic() - t0)
+                except TApplicationException as e:
+                    r = (False, e, time.monotonic() - t0)
+                with lock:
+                    results.append(r)
+
+    threads = [threading.Thread(target=worker) for _ in range(conns)]
+    for t in threads:
+        t.start()
+    if during is not None:
+        during(results)
+    for t in threads:
+        t.join(120)
+    return results
+
+
+def test_killed_upstream_no_failed_idempotent_calls_breaker_opens_traffic_returns():
+    ups = [ThriftServer(name=f"u{i}") for i in range(3)]
+    text = cfg(ups, route_extra="\n        retry: {attempts: 3, idempotent: true, backoff: {base: 5ms, max: 20ms}}",
+               cluster_extra="\n    circuit_breaker: {consecutive_failures: 3, open_for: 300ms}"
+                             "\n    connect_timeout: 100ms")
+    victim = ups[1]
+    try:
+        with Proxy(text) as p:
+            cluster = p.server.clusters["up"]
+            states = []
+
+            def chaos(results) -> None:
+                while len(results) < 1500:
+                    time.sleep(0.01)
+                victim.stop()
+                while len(results) < 2500:
+                    time.sleep(0.01)
+                ep = next(e for e in cluster.endpoints if e.port == victim.port)
+                states.append(ep.breaker.state_name)
+                victim.start()
+
+            before = victim.handler.calls
+            results = load(p.port(), 8, 6000, lambda c, i: c.lookup(f"k{i}"), during=chaos)
+            failed = [r for r in results if not r[0]]
+            assert len(results) == 6000
+            assert failed == [], failed[:3]
+            assert states and states[0] in ("open", "half_open")
+            assert cluster.stats["breaker_transitions"] >= 2
+            time.sleep(0.4)  # open_for passed: a probe closes it, traffic returns
+            with client(p.port()) as c:
+                for i in range(60):
+                    c.lookup(f"after{i}")
+            ep = next(e for e in cluster.endpoints if e.port == victim.port)
+            assert ep.breaker.state_name == "closed"
+            assert victim.handler.calls > before
+    finally:
+        for u in ups:
+            u.stop()
+
+
+def test_stalled_upstream_times_out_at_route_timeout_others_keep_serving():
+    ups = [ThriftServer(name=f"u{i}") for i in range(3)]
+    ups[0].handler.sleep_ms = 3000
+    text = cfg(ups, route_extra="\n        timeout: 300ms",
+               cluster_extra="\n    circuit_breaker: {consecutive_failures: 0, failure_rate: 0.0}")
+    try:
+        with Proxy(text) as p:
+            results = load(p.port(), 8, 240, lambda c, i: c.lookup(f"s{i}"))
+        timeouts = [r for r in results if not r[0]]
+        ok = [r for r in results if r[0]]
+        assert len(ok) >= 120 and len(timeouts) >= 40
+        for _, e, _ in timeouts:
+            assert e.type == TApplicationException.INTERNAL_ERROR
+            assert e.message.startswith("thrift-sidecar: may have run: route timeout 300ms")
+        waited = statistics.median(r[2] for r in timeouts)
+        assert 0.3 <= waited <= 0.4, waited
+        assert statistics.median(r[2] for r in ok) < 0.1
+    finally:
+        for u in ups:
+            u.stop()
+
+
+def test_connection_dropped_after_request_non_idempotent_runs_once_idempotent_retried():
+    dropper = ThriftServer(name="dropper")
+    good = ThriftServer(name="good")
+    dropper.handler.drop_after = {"incr", "lookup"}
+    text = cfg([dropper, good],
+               route_extra="\n        retry: {attempts: 3, idempotent: [lookup], backoff: {base: 1ms, max: 5ms}}",
+               cluster_extra="\n    circuit_breaker: {consecutive_failures: 0, failure_rate: 0.0}")
+    try:
+        with Proxy(text) as p:
+            results = load(p.port(), 8, 400, lambda c, i: c.incr(f"n{i}"))
+            may_have_run = [r for r in results if not r[0]]
+            assert may_have_run, "some non-idempotent calls hit the dropping upstream"
+            for _, e, _ in may_have_run:
+                assert e.message.startswith("thrift-sidecar: may have run: connection to ")
+            for i in range(400):  # at most once per client call, counted on the servers
+                ran = dropper.handler.counts.get(f"n{i}", 0) + good.handler.counts.get(f"n{i}", 0)
+                assert ran == 1, (i, ran)
+            results = load(p.port(), 8, 400, lambda c, i: c.lookup(f"l{i}"))
+            assert all(r[0] for r in results)
+            assert p.server.listeners["test"].pipeline.stats["retries"] > 0
+    finally:
+        dropper.stop()
+        good.stop()
+
+
+def test_total_outage_attempts_bounded_by_retry_budget():
+    dead = [ThriftServer() for _ in range(2)]
+    for u in dead:
+        u.stop()
+    calls = 400
+    text = cfg(dead, route_extra="\n        retry: {attempts: 5, idempotent: true, backoff: {base: 1ms, max: 2ms}}",
+               cluster_extra="\n    retry_budget: {ratio: 0.2, min_per_second: 10, window: 10s}"
+                             "\n    circuit_breaker: {consecutive_failures: 0, failure_rate: 0.0}")
+    with Proxy(text) as p:
+        results = load(p.port(), 8, calls, lambda c, i: c.lookup("x"))
+        assert len(results) == calls and not any(r[0] for r in results)
+        for _, e, _ in results:
+            assert e.message.startswith("thrift-sidecar: not sent: connect to ")
+        cluster = p.server.clusters["up"]
+        attempts = sum(pool.stats["connects"] + pool.stats["connect_failures"]
+                       for ep in cluster.endpoints for pool in ep.pools.values())
+    assert attempts <= calls + 0.2 * calls + 10 * 10, attempts
+    assert attempts > calls  # some retries did happen
+
+
+def test_max_pending_excess_fails_fast_with_not_sent():
+    up = ThriftServer()
+    up.handler.sleep_ms = 500
+    text = cfg([up], cluster_extra="\n    pool: {max_connections: 1, acquire_timeout: 5s}"
+                                   "\n    limits: {max_pending: 2}")
+    try:
+        with Proxy(text) as p:
+            def one(i):
+                t0 = time.monotonic()
+                with client(p.port()) as c:
+                    try:
+                        c.ping()
+                        return True, None, time.monotonic() - t0
+                    except TApplicationException as e:
+                        return False, e, time.monotonic() - t0
+            with ThreadPoolExecutor(12) as ex:
+                results = list(ex.map(one, range(12)))
+        rejected = [r for r in results if not r[0]]
+        assert len(rejected) >= 6
+        for _, e, _ in rejected:
+            assert e.message.startswith("thrift-sidecar: not sent: cluster 'up' has max_pending 2")
+        assert statistics.median(r[2] for r in rejected) < 0.02 + 0.05  # connect + call overhead
+    finally:
+        up.stop()
+
+
+def test_health_check_takes_endpoint_out_and_back():
+    sick = ThriftServer(name="sick")
+    well = ThriftServer(name="well")
+    text = cfg([sick, well], cluster_extra="\n    transport: framed\n    protocol: binary"
+                                           "\n    health_check: {interval: 200ms, timeout: 100ms, method: ping}")
+    try:
+        with Proxy(text) as p:
+            with client(p.port()) as c:
+                time.sleep(0.3)
+                sick.handler.throw = {"ping"}
+                time.sleep(0.45)  # two intervals
+                before = sick.handler.calls
+                for i in range(50):
+                    c.lookup(f"h{i}")
+                assert sick.handler.calls - before <= 2  # only its health checks
+                sick.handler.throw = set()
+                time.sleep(0.45)
+                before = sick.handler.counts, sick.handler.calls
+                n0 = sick.handler.calls
+                for i in range(50):
+                    c.lookup(f"b{i}")
+                assert sick.handler.calls - n0 >= 10
+    finally:
+        sick.stop()
+        well.stop()
