@@ -60,3 +60,13 @@ class LoopLagMonitor:
             if lag > worst:
                 worst = lag
         return worst
+
+    def lag_for(self, start_ns: int, end_ns: int) -> int:
+        """`lag_between`, plus the stall in progress if the monitor's own timer is overdue now
+        (a call that ends right as the loop unblocks runs before the monitor records it)."""
+        worst = self.lag_between(start_ns, end_ns) if self.samples else 0
+        if self._expected:
+            overdue = monotonic_ns() - self._expected
+            if overdue > self.floor_ns and overdue > worst:
+                worst = overdue
+        return worst

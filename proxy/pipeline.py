@@ -65,6 +65,7 @@ class Pipeline:
                       "timeouts": 0, "limit_rejections": 0}
         self.on_complete = None   # telemetry: called once per finished call
         self.on_send = None       # telemetry: headers to add for a THeader upstream (trace context)
+        self.on_begin = None      # telemetry: trace context for THeader traffic
         self._policies: dict[int, RetryPolicy | None] = {}
 
     # 1-3: route, oneway, admit -----------------------------------------------------
@@ -85,6 +86,9 @@ class Pipeline:
             return
         call.route = route
         cluster = call.cluster = route.pick_cluster()
+        if self.on_begin is not None and (msg.header is not None or
+                                          (cluster.framing is not None and cluster.framing.is_header)):
+            self.on_begin(call)
         limits = getattr(cluster, "limits", None)
         if limits is not None:
             if not limits.try_enter_request():

@@ -27,7 +27,12 @@ from proxy.clock import monotonic
 from proxy.balancer import make_balancer
 from proxy.cluster import Cluster
 from proxy.codec import Framing, Protocol
+from proxy.admin import AdminServer, AdminSources
 from proxy.health import HealthChecker
+from proxy.looplag import LoopLagMonitor
+from proxy.metrics import Metrics
+from proxy.observe import CallRecorder, TraceHooks
+from proxy.telemetry import Telemetry
 from proxy.discovery import Resolver, make_source, static_endpoints
 from proxy.listener import ListenerSettings, ListenerState
 from proxy.pipeline import Pipeline
@@ -39,6 +44,7 @@ from proxy.tls import client_context
 log = logging.getLogger("proxy")
 
 DRAIN_GRACE = 1.0  # seconds without any client connection before a drain ends
+SPAN_FLUSH_TIMEOUT = 5.0  # seconds to export queued spans at shutdown
 
 
 def _framing(name: str | None) -> Framing | None:
@@ -89,10 +95,20 @@ class Server:
     """Everything one config file describes, running on one loop."""
 
     def __init__(self, config: cfgmod.Config, loop: asyncio.AbstractEventLoop | None = None,
-                 rng: random.Random | None = None, resolver: Resolver | None = None) -> None:
+                 rng: random.Random | None = None, resolver: Resolver | None = None,
+                 metrics: Metrics | None = None, telemetry: Telemetry | None = None) -> None:
         self.config = config
         self.loop = loop or asyncio.get_running_loop()
         self.rng = rng or random.Random()
+        # Metrics and the span exporter outlive a config reload; tests may pass their own.
+        self.metrics = metrics or Metrics()
+        if telemetry is None and config.tracing.exporter != "none":
+            telemetry = Telemetry(config.tracing)
+        self.telemetry = telemetry
+        if telemetry is not None and telemetry.queue is not None:
+            self.metrics.watch_exporter(telemetry.queue)
+        self.lag = LoopLagMonitor(self.loop)
+        self.admin: AdminServer | None = None
         self.clusters: dict[str, Cluster] = {
             c.name: build_cluster(c, self.loop, self.rng, resolver) for c in config.clusters}
         self.health: list[HealthChecker] = []
@@ -111,6 +127,14 @@ class Server:
     def build_listener(self, lc: cfgmod.Listener) -> ListenerState:
         router = Router([build_route(r, i, self.clusters, self.rng) for i, r in enumerate(lc.routes)])
         pipeline = Pipeline(lc.name, router, frozenset(lc.oneway_methods), self.loop, self.rng)
+        known = [r.match.method for r in lc.routes
+                 if r.match is not None and r.match.method and not any(c in r.match.method for c in "*?[")]
+        pipeline.on_complete = CallRecorder(lc.service, lc.name, self.metrics.service(lc.service, known),
+                                            self.telemetry, self.lag, self.config.logging.access_log)
+        if self.telemetry is not None:
+            hooks = TraceHooks(self.telemetry)
+            pipeline.on_begin = hooks.begin
+            pipeline.on_send = hooks.send
         settings = ListenerSettings(
             name=lc.name, framing=_framing(lc.transport), protocol=_protocol(lc.protocol),
             max_frame_size=lc.max_frame_size, max_connections=lc.max_connections,
@@ -118,6 +142,8 @@ class Server:
         return ListenerState(settings, pipeline, self.loop)
 
     async def start(self) -> None:
+        self.lag.start()
+        await self._start_admin()
         await asyncio.gather(*(c.start() for c in self.clusters.values()))  # first discovery round
         for h in self.health:
             h.start()
@@ -130,6 +156,20 @@ class Server:
             self.servers[lc.name] = srv
             log.info("listener %s on %s (%s/%s)", lc.name, self.address(lc.name), lc.transport, lc.protocol)
         self.ready = True
+
+    async def _start_admin(self) -> None:
+        cfg = self.config
+        if cfg.admin is None and cfg.metrics_listen is None:
+            return
+        self.admin = AdminServer(AdminSources(ready=lambda: self.ready and not self.draining,
+                                              stats=self.snapshot, config=cfg.effective,
+                                              metrics=self.metrics.exposition))
+        if cfg.admin is not None:
+            await self.admin.start("admin", cfg.admin.listen.host, cfg.admin.listen.port)
+            if cfg.admin.health_listen is not None:
+                await self.admin.start("health", cfg.admin.health_listen.host, cfg.admin.health_listen.port)
+        if cfg.metrics_listen is not None:
+            await self.admin.start("metrics", cfg.metrics_listen.host, cfg.metrics_listen.port)
 
     def address(self, listener: str) -> tuple[str, int]:
         """The bound (host, port) of a listener (port 0 in config picks a free one)."""
@@ -183,13 +223,40 @@ class Server:
                     await srv.wait_closed()
             except TimeoutError:
                 pass
+        self.lag.stop()
+        if self.admin is not None:
+            await self.admin.close()
+        if self.telemetry is not None:  # spans flushed with a bounded timeout, off the loop
+            flushed = await self.loop.run_in_executor(None, self.telemetry.shutdown, SPAN_FLUSH_TIMEOUT)
+            if not flushed:
+                log.warning("spans not all exported within %.0fs at shutdown", SPAN_FLUSH_TIMEOUT)
 
     def snapshot(self) -> dict[str, Any]:
-        return {
-            "listeners": {name: {**s.stats, **s.pipeline.stats, "connections": len(s.connections)}
+        """/stats: listeners, clusters (endpoints, breakers, pools, budgets, limits), health, exporter."""
+        clusters = {}
+        for name, c in self.clusters.items():
+            snap = c.snapshot()
+            snap["retry_budget"] = c.budget.snapshot()
+            snap["limits"] = c.limits.snapshot()
+            for ep, ep_snap in zip(c.endpoints, snap["endpoints"]):
+                ep_snap["healthy"] = ep.healthy
+                if ep.breaker is not None:
+                    ep_snap["breaker_detail"] = ep.breaker.snapshot()
+            clusters[name] = snap
+        out = {
+            "ready": self.ready and not self.draining, "draining": self.draining,
+            "listeners": {name: {**s.stats, **s.pipeline.stats, "connections": len(s.connections),
+                                 "in_flight": sum(len(conn.queue) for conn in s.connections)}
                           for name, s in self.listeners.items()},
-            "clusters": {name: c.snapshot() for name, c in self.clusters.items()},
+            "clusters": clusters,
+            "health_checks": {h.cluster.name: h.stats for h in self.health},
+            "loop_lag_max_ms": round(self.lag.max_lag_ns / 1e6, 3),
         }
+        if self.telemetry is not None and self.telemetry.queue is not None:
+            q = self.telemetry.queue
+            out["span_export"] = {"queued": q.size, "dropped": getattr(q, "dropped", None),
+                                  "failed": getattr(q, "failed", None)}
+        return out
 
 
 def setup_logging(cfg: cfgmod.Logging) -> None:

@@ -1,0 +1,89 @@
+"""Admin HTTP endpoints on aiohttp (no hand-written HTTP): /ready /live /metrics /stats /config.
+
+Served on the proxy's own loop. `/ready` is 503 until every listener is up
+and from the start of a drain; `/live` is 200 while the loop runs. The
+optional health listener serves only /ready and /live (kubelet probes on the
+pod IP); `metrics_listen` serves /metrics alone. Loopback-only binding unless
+`allow_remote` is checked at config load.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Callable
+
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class AdminSources:
+    """What the admin endpoints read; callables so nothing is computed until asked."""
+
+    def __init__(self, ready: Callable[[], bool], stats: Callable[[], dict[str, Any]],
+                 config: Callable[[], dict[str, Any]], metrics: Callable[[], bytes]) -> None:
+        self.ready = ready
+        self.stats = stats
+        self.config = config
+        self.metrics = metrics
+
+
+def _app(sources: AdminSources, endpoints: set[str]) -> web.Application:
+    async def ready(_req: web.Request) -> web.Response:
+        ok = sources.ready()
+        return web.Response(status=200 if ok else 503, text="ready\n" if ok else "not ready\n")
+
+    async def live(_req: web.Request) -> web.Response:
+        return web.Response(text="live\n")
+
+    async def metrics(_req: web.Request) -> web.Response:
+        return web.Response(body=sources.metrics(), headers={"Content-Type": PROMETHEUS_TYPE})
+
+    async def stats(_req: web.Request) -> web.Response:
+        return web.Response(text=json.dumps(sources.stats(), indent=2, default=str) + "\n",
+                            content_type="application/json")
+
+    async def config(_req: web.Request) -> web.Response:
+        return web.Response(text=json.dumps(sources.config(), indent=2, default=str) + "\n",
+                            content_type="application/json")
+
+    handlers = {"/ready": ready, "/live": live, "/metrics": metrics, "/stats": stats, "/config": config}
+    app = web.Application()
+    for path in endpoints:
+        app.router.add_get(path, handlers[path])
+    return app
+
+
+ALL = {"/ready", "/live", "/metrics", "/stats", "/config"}
+HEALTH = {"/ready", "/live"}
+METRICS = {"/metrics"}
+
+
+class AdminServer:
+    """One aiohttp site per configured address (admin, health, metrics)."""
+
+    def __init__(self, sources: AdminSources) -> None:
+        self.sources = sources
+        self.runners: list[web.AppRunner] = []
+        self.addresses: dict[str, tuple[str, int]] = {}
+
+    async def start(self, kind: str, host: str, port: int) -> tuple[str, int]:
+        endpoints = {"admin": ALL, "health": HEALTH, "metrics": METRICS}[kind]
+        runner = web.AppRunner(_app(self.sources, endpoints), access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        await site.start()
+        self.runners.append(runner)
+        sock = site._server.sockets[0]  # the bound address (port 0 picks a free one)
+        addr = sock.getsockname()[:2]
+        self.addresses[kind] = addr
+        log.info("%s endpoints on %s:%d", kind, addr[0], addr[1])
+        return addr
+
+    async def close(self) -> None:
+        for runner in self.runners:
+            await runner.cleanup()
+        self.runners.clear()

@@ -1,0 +1,81 @@
+"""What happens when a call is over: metrics, spans, access log — one place, called once per call.
+
+`CallRecorder` is the pipeline's `on_complete`: it looks up the loop lag
+seen during the call, feeds the per-(method, hop) histograms (every call),
+hands the call to telemetry (which keeps it only if head-sampled, slow or
+failed), and writes the optional access-log line. Also the pipeline's
+`on_begin`/`on_send` hooks for trace context on THeader traffic.
+"""
+
+from __future__ import annotations
+
+import logging
+from time import monotonic_ns
+
+from proxy.looplag import LoopLagMonitor
+from proxy.metrics import ServiceMetrics, call_end, call_outcome
+
+access_log = logging.getLogger("proxy.access")
+
+
+def _ms(a: int, b: int) -> float | None:
+    return round((b - a) / 1e6, 3) if a and b else None
+
+
+class CallRecorder:
+    def __init__(self, service: str, listener: str, metrics: ServiceMetrics, telemetry, lag: LoopLagMonitor,
+                 access: bool = False) -> None:
+        self.service = service
+        self.listener = listener
+        self.metrics = metrics
+        self.telemetry = telemetry
+        self.lag = lag
+        self.access = access
+
+    def __call__(self, call) -> None:
+        end = call_end(call) or monotonic_ns()
+        call.loop_lag_ns = self.lag.lag_for(call.t_start, end)
+        if call.reply_size == 0 and call.reply is not None:
+            call.reply_size = len(call.reply)
+        call.reply = None  # sizes are recorded; the bytes are not needed any more
+        self.metrics.record(call)
+        if self.telemetry is not None:
+            self.telemetry.finished(call, self.service, self.listener)
+        if self.access and access_log.isEnabledFor(logging.INFO):
+            self._log(call, end)
+
+    def _log(self, call, end: int) -> None:
+        msg = call.msg
+        a = call.attempts[-1] if call.attempts else None
+        fields = {
+            "listener": self.listener, "service": self.service,
+            "method": msg.method if msg is not None else None, "seqid": msg.seqid if msg is not None else None,
+            "outcome": call_outcome(call), "attempts": len(call.attempts),
+            "endpoint": a.endpoint.label if a is not None else None,
+            "client": f"{call.conn.peer[0]}:{call.conn.peer[1]}" if call.conn.peer else None,
+            "request_bytes": call.request_size, "reply_bytes": call.reply_size,
+            "total_ms": _ms(call.t_start, end),
+            "read_request_ms": _ms(call.t_start, call.t_framed),
+            "acquire_ms": _ms(a.t_acquire, a.t_acquired) if a else None,
+            "write_upstream_ms": _ms(a.t_acquired, a.t_written) if a else None,
+            "service_time_ms": _ms(a.t_written, a.t_first_reply) if a else None,
+            "read_response_ms": _ms(a.t_first_reply, a.t_reply) if a else None,
+            "queued_ms": _ms(call.t_done, call.t_write),
+            "write_response_ms": _ms(call.t_write, call.t_acked or call.t_handed),
+            "loop_lag_ms": round(call.loop_lag_ns / 1e6, 3),
+            "error": call.error,
+        }
+        access_log.info("%s %s %s", self.service, fields["method"], fields["outcome"], extra={"fields": fields})
+
+
+class TraceHooks:
+    """Trace context for THeader traffic: join the client's trace; inject ours upstream."""
+
+    def __init__(self, telemetry) -> None:
+        self.telemetry = telemetry
+
+    def begin(self, call) -> None:
+        self.telemetry.begin(call)
+
+    def send(self, attempt, headers: dict) -> None:
+        headers.update(self.telemetry.upstream_headers(attempt))
