@@ -30,15 +30,16 @@ NO_ROUTE = "no_route"
 class Call:
     """One client request, from its first byte until the client acknowledged its reply."""
 
-    __slots__ = ("conn", "msg", "route", "cluster", "oneway", "reply", "error", "error_type",
+    __slots__ = ("conn", "pipeline", "msg", "route", "cluster", "oneway", "reply", "error", "error_type",
                  "outcome", "attempt", "attempts", "written", "cancelled", "backoffs",
                  "t_start", "t_framed", "t_done", "t_write", "t_handed", "t_acked", "never_read",
                  "streamed", "client_paused_ns", "upstream_wait_ns", "reply_size", "loop_lag_ns",
                  "trace", "timer", "deadline", "retry_timer", "holds_request", "result_field",
                  "_request")
 
-    def __init__(self, conn, msg, t_start: int, t_framed: int) -> None:
+    def __init__(self, conn, msg, t_start: int, t_framed: int, pipeline=None) -> None:
         self.conn = conn                    # the client connection (listener)
+        self.pipeline = pipeline            # the pipeline (config generation) that handles it
         self.msg = msg                      # the request Message (None for a bad-request answer)
         self.route = None
         self.cluster = None
@@ -114,12 +115,12 @@ class Attempt(Exchange):
     def __call__(self, conn, error) -> None:
         self.waiter = None
         if error is not None:
-            self.call.conn.pipeline.attempt_failed(self, error)
+            self.call.pipeline.attempt_failed(self, error)
         else:
-            self.call.conn.pipeline.send(self, conn)
+            self.call.pipeline.send(self, conn)
 
     def on_reply(self, reply) -> None:
-        self.call.conn.pipeline.attempt_replied(self, reply)
+        self.call.pipeline.attempt_replied(self, reply)
 
     def on_failure(self, error) -> None:
-        self.call.conn.pipeline.attempt_failed(self, error)
+        self.call.pipeline.attempt_failed(self, error)

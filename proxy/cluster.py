@@ -58,7 +58,9 @@ class Cluster:
         if self.discovery is not None:
             await self.discovery.start()
 
-    def pick(self) -> Endpoint | None:
+    def pick(self, exclude=()) -> Endpoint | None:
+        """An endpoint for the next attempt; `exclude` (endpoints already tried by this call)
+        is honoured while any other endpoint may take the call."""
         eps = self.endpoints
         if not eps:
             self.stats["no_endpoint"] += 1
@@ -82,6 +84,10 @@ class Cluster:
             log.info("cluster %s leaves panic", self.name)
         if not eps:
             return None
+        if exclude:
+            others = [ep for ep in eps if ep not in exclude]
+            if others:
+                eps = others
         self.stats["calls"] += 1
         return self.balancer.pick(eps)
 

@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 from time import monotonic_ns
 
-from proxy.codec import AppErrorType, Decoder, Framing, Head, MessageType, Protocol, ProtocolError, exception_reply
+from proxy.codec import Decoder, Framing, Head, MessageType, Protocol, ProtocolError, exception_reply
 from proxy.calls import Call
 from proxy.pipeline import PREFIX
 from proxy.sockets import set_nodelay, unacked_bytes
@@ -60,13 +60,12 @@ class ListenerState:
 
 
 class ClientConnection(asyncio.Protocol):
-    __slots__ = ("state", "pipeline", "transport", "decoder", "queue", "peer", "t_first",
+    __slots__ = ("state", "transport", "decoder", "queue", "peer", "t_first",
                  "closing", "paused_reading", "paused_writing", "_read_timer", "_idle_timer",
                  "_last_active", "_linger", "fd", "bytes_out", "_unacked", "_ack_poll", "_ack_delay")
 
     def __init__(self, state: ListenerState) -> None:
         self.state = state
-        self.pipeline = state.pipeline
         s = state.settings
         self.transport = None
         self.decoder = Decoder(s.framing, s.protocol, s.max_frame_size)
@@ -117,7 +116,7 @@ class ClientConnection(asyncio.Protocol):
         if not dec.buffered:
             self.t_first = now
         dec.feed(data)
-        pipeline = self.pipeline
+        pipeline = self.state.pipeline  # the current config's (a reload swaps it)
         while True:
             try:
                 msg = dec.next_message()
@@ -167,9 +166,9 @@ class ClientConnection(asyncio.Protocol):
         for t in (self._read_timer, self._idle_timer, self._linger):
             if t is not None:
                 t.cancel()
-        pipeline = self.pipeline
         for call in self.queue:
-            pipeline.cancel(call)
+            if call.pipeline is not None:
+                call.pipeline.cancel(call)
         self.queue.clear()
         if self._ack_poll is not None:
             self._ack_poll.cancel()
@@ -186,7 +185,7 @@ class ClientConnection(asyncio.Protocol):
         while self._unacked:  # the client is gone: nothing more will be acknowledged
             _, call = self._unacked.popleft()
             call.t_acked = now
-            pipeline.completed(call)
+            call.pipeline.completed(call)
 
     def pause_writing(self) -> None:
         self.paused_writing = True
@@ -255,14 +254,13 @@ class ClientConnection(asyncio.Protocol):
         buffered = t.get_write_buffer_size()
         handed = self.bytes_out - buffered
         acked = handed - unacked_bytes(self.fd)
-        pipeline = self.pipeline
         for end, call in unacked:
             if call.t_handed == 0 and handed >= end:
                 call.t_handed = now
         while unacked and unacked[0][0] <= acked:
             _, call = unacked.popleft()
             call.t_acked = now
-            pipeline.completed(call)
+            call.pipeline.completed(call)
         if not unacked:
             return
         oldest = unacked[0][1]
@@ -270,7 +268,7 @@ class ClientConnection(asyncio.Protocol):
             while unacked:  # it never read: recorded as such, not waited for forever
                 _, call = unacked.popleft()
                 call.never_read = True
-                pipeline.completed(call)
+                call.pipeline.completed(call)
             return
         loop = self.state.loop
         if self._ack_delay == ACK_POLL_FIRST and buffered == 0 and oldest.t_handed == now:
@@ -290,7 +288,7 @@ class ClientConnection(asyncio.Protocol):
             head = Head("", MessageType.CALL, 0, dec.framing, dec.protocol)
         log.info("client %s on listener %s: %s", self.peer, self.state.settings.name, e.message)
         if head is not None and head.type != MessageType.ONEWAY:
-            err = Call(self, None, self.t_first, monotonic_ns())
+            err = Call(self, None, self.t_first, monotonic_ns(), self.state.pipeline)
             err.error = e.message
             err.reply = exception_reply(head, e.app_type, PREFIX + e.message)
             self.queue.append(err)

@@ -72,7 +72,7 @@ class Pipeline:
 
     def handle(self, conn, msg: Message, t_start: int, t_framed: int) -> None:
         self.stats["calls"] += 1
-        call = Call(conn, msg, t_start, t_framed)
+        call = Call(conn, msg, t_start, t_framed, self)
         call.oneway = msg.type == MessageType.ONEWAY or (
             bool(self.oneway_methods) and (msg.name in self.oneway_methods or msg.method in self.oneway_methods))
         if not call.oneway:
@@ -125,13 +125,8 @@ class Pipeline:
                       f"not sent: the client speaks {msg.protocol.value} but cluster '{cluster.name}' "
                       f"speaks {cluster.protocol.value} (protocols are never transcoded)")
             return
-        endpoint = cluster.pick()
-        if call.attempts and len(cluster.endpoints) > 1:
-            tried = {a.endpoint for a in call.attempts}
-            for _ in range(3):  # a retry goes to another endpoint when one exists
-                if endpoint not in tried:
-                    break
-                endpoint = cluster.pick()
+        # a retry goes to another endpoint when one exists
+        endpoint = cluster.pick([a.endpoint for a in call.attempts] if call.attempts else ())
         if endpoint is None:
             self._give_up(call, UpstreamError(f"no endpoint available in cluster '{cluster.name}'",
                                               written=False, endpoint_fault=False))

@@ -45,6 +45,7 @@ log = logging.getLogger("proxy")
 
 DRAIN_GRACE = 1.0  # seconds without any client connection before a drain ends
 SPAN_FLUSH_TIMEOUT = 5.0  # seconds to export queued spans at shutdown
+WATCH_INTERVAL = 1.0  # seconds between config file checks (reload: {watch: true})
 
 
 def _framing(name: str | None) -> Framing | None:
@@ -92,16 +93,26 @@ def build_route(r: cfgmod.Route, index: int, clusters: dict[str, Cluster], rng: 
 
 
 class Server:
-    """Everything one config file describes, running on one loop."""
+    """Everything one config file describes, running on one loop; reloadable.
+
+    Process-wide (kept across reloads): metrics, the span exporter, the loop-lag
+    monitor, admin. Per config: clusters (reused when their config is unchanged,
+    so pools and breaker state survive), routers and pipelines (swapped into the
+    listeners; calls in flight keep the pipeline they started with).
+    """
 
     def __init__(self, config: cfgmod.Config, loop: asyncio.AbstractEventLoop | None = None,
                  rng: random.Random | None = None, resolver: Resolver | None = None,
-                 metrics: Metrics | None = None, telemetry: Telemetry | None = None) -> None:
+                 metrics: Metrics | None = None, telemetry: Telemetry | None = None,
+                 path: str | None = None) -> None:
         self.config = config
+        self.path = path
         self.loop = loop or asyncio.get_running_loop()
         self.rng = rng or random.Random()
+        self.resolver = resolver
         # Metrics and the span exporter outlive a config reload; tests may pass their own.
         self.metrics = metrics or Metrics()
+        self._own_telemetry = telemetry is None
         if telemetry is None and config.tracing.exporter != "none":
             telemetry = Telemetry(config.tracing)
         self.telemetry = telemetry
@@ -109,22 +120,49 @@ class Server:
             self.metrics.watch_exporter(telemetry.queue)
         self.lag = LoopLagMonitor(self.loop)
         self.admin: AdminServer | None = None
-        self.clusters: dict[str, Cluster] = {
-            c.name: build_cluster(c, self.loop, self.rng, resolver) for c in config.clusters}
-        self.health: list[HealthChecker] = []
-        for c in config.clusters:
-            cluster = self.clusters[c.name]
-            resilience.attach(cluster, c, monotonic)
-            if c.health_check is not None:
-                self.health.append(HealthChecker(cluster, c.health_check.method, c.health_check.interval,
-                                                 c.health_check.timeout))
+        self.clusters: dict[str, Cluster] = {}
+        self._cluster_cfg: dict[str, cfgmod.Cluster] = {}
+        self.health: dict[str, HealthChecker] = {}
         self.listeners: dict[str, ListenerState] = {}
         self.servers: dict[str, asyncio.base_events.Server] = {}
+        self._listen_cfg: dict[str, cfgmod.Listener] = {}
         self.ready = False
         self.draining = False
+        self.reloads = {"ok": 0, "failed": 0}
+        self._reload_lock = asyncio.Lock()
+        self._watch: asyncio.Task | None = None
         self._stop = asyncio.Event()
+        self._build_clusters(config)
+
+    # -- building ----------------------------------------------------------------------
+
+    def _build_clusters(self, config: cfgmod.Config) -> tuple[dict[str, Cluster], list[Cluster]]:
+        """Clusters for `config`: unchanged ones reused; returns (new ones, retired ones)."""
+        clusters: dict[str, Cluster] = {}
+        fresh: dict[str, Cluster] = {}
+        for c in config.clusters:
+            old = self.clusters.get(c.name)
+            if old is not None and self._cluster_cfg.get(c.name) == c:
+                clusters[c.name] = old
+                continue
+            cluster = build_cluster(c, self.loop, self.rng, self.resolver)
+            resilience.attach(cluster, c, monotonic)
+            clusters[c.name] = fresh[c.name] = cluster
+        retired = [c for name, c in self.clusters.items() if clusters.get(name) is not c]
+        self.clusters = clusters
+        self._cluster_cfg = {c.name: c for c in config.clusters}
+        return fresh, retired
 
     def build_listener(self, lc: cfgmod.Listener) -> ListenerState:
+        return ListenerState(self._settings(lc), self._pipeline(lc), self.loop)
+
+    def _settings(self, lc: cfgmod.Listener) -> ListenerSettings:
+        return ListenerSettings(
+            name=lc.name, framing=_framing(lc.transport), protocol=_protocol(lc.protocol),
+            max_frame_size=lc.max_frame_size, max_connections=lc.max_connections,
+            request_read_timeout=lc.request_read_timeout, idle_timeout=lc.idle_timeout)
+
+    def _pipeline(self, lc: cfgmod.Listener) -> Pipeline:
         router = Router([build_route(r, i, self.clusters, self.rng) for i, r in enumerate(lc.routes)])
         pipeline = Pipeline(lc.name, router, frozenset(lc.oneway_methods), self.loop, self.rng)
         known = [r.match.method for r in lc.routes
@@ -135,34 +173,44 @@ class Server:
             hooks = TraceHooks(self.telemetry)
             pipeline.on_begin = hooks.begin
             pipeline.on_send = hooks.send
-        settings = ListenerSettings(
-            name=lc.name, framing=_framing(lc.transport), protocol=_protocol(lc.protocol),
-            max_frame_size=lc.max_frame_size, max_connections=lc.max_connections,
-            request_read_timeout=lc.request_read_timeout, idle_timeout=lc.idle_timeout)
-        return ListenerState(settings, pipeline, self.loop)
+        return pipeline
+
+    # -- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
         self.lag.start()
         await self._start_admin()
-        await asyncio.gather(*(c.start() for c in self.clusters.values()))  # first discovery round
-        for h in self.health:
-            h.start()
+        await self._start_clusters(self.clusters.values())
         for lc in self.config.listeners:
-            state = self.build_listener(lc)
-            srv = await self.loop.create_server(
-                state.protocol_factory, lc.listen.host, lc.listen.port, backlog=lc.backlog,
-                reuse_address=True)
-            self.listeners[lc.name] = state
-            self.servers[lc.name] = srv
-            log.info("listener %s on %s (%s/%s)", lc.name, self.address(lc.name), lc.transport, lc.protocol)
+            await self._open(lc)
+        if self.config.reload.watch and self.path:
+            self._watch = self.loop.create_task(self._watch_file())
         self.ready = True
+
+    async def _start_clusters(self, clusters) -> None:
+        clusters = list(clusters)
+        await asyncio.gather(*(c.start() for c in clusters))  # first discovery round
+        for c in clusters:
+            hc = self._cluster_cfg[c.name].health_check
+            if hc is not None:
+                checker = self.health[c.name] = HealthChecker(c, hc.method, hc.interval, hc.timeout)
+                checker.start()
+
+    async def _open(self, lc: cfgmod.Listener, state: ListenerState | None = None) -> None:
+        state = state or self.build_listener(lc)
+        srv = await self.loop.create_server(
+            state.protocol_factory, lc.listen.host, lc.listen.port, backlog=lc.backlog, reuse_address=True)
+        self.listeners[lc.name] = state
+        self.servers[lc.name] = srv
+        self._listen_cfg[lc.name] = lc
+        log.info("listener %s on %s (%s/%s)", lc.name, self.address(lc.name), lc.transport, lc.protocol)
 
     async def _start_admin(self) -> None:
         cfg = self.config
         if cfg.admin is None and cfg.metrics_listen is None:
             return
         self.admin = AdminServer(AdminSources(ready=lambda: self.ready and not self.draining,
-                                              stats=self.snapshot, config=cfg.effective,
+                                              stats=self.snapshot, config=lambda: self.config.effective(),
                                               metrics=self.metrics.exposition))
         if cfg.admin is not None:
             await self.admin.start("admin", cfg.admin.listen.host, cfg.admin.listen.port)
@@ -176,6 +224,101 @@ class Server:
         sock = self.servers[listener].sockets[0]
         return sock.getsockname()[:2]
 
+    # -- reload ------------------------------------------------------------------------
+
+    async def reload(self) -> bool:
+        """Re-read the config file; apply it if valid, else log its errors and keep serving."""
+        if not self.path:
+            return False
+        try:
+            config = cfgmod.load(self.path)
+        except cfgmod.ConfigError as e:
+            self.reloads["failed"] += 1
+            log.error("reload rejected: %s has %d error(s); the old config keeps serving",
+                      self.path, len(e.errors), extra={"fields": {"errors": e.errors}})
+            for line in e.errors:
+                log.error("reload rejected: %s", line)
+            return False
+        except OSError as e:
+            self.reloads["failed"] += 1
+            log.error("reload rejected: cannot read %s: %s", self.path, e.strerror)
+            return False
+        return await self.apply(config)
+
+    async def apply(self, config: cfgmod.Config) -> bool:
+        """Swap to `config` atomically, as seen by new calls; calls in flight finish on the old one."""
+        async with self._reload_lock:
+            old_clusters, old_cfg = self.clusters, self._cluster_cfg
+            try:
+                fresh, retired = self._build_clusters(config)
+            except Exception as e:  # e.g. unreadable TLS files: keep the old generation
+                self.clusters, self._cluster_cfg = old_clusters, old_cfg
+                self.reloads["failed"] += 1
+                log.error("reload rejected: %s", e)
+                return False
+            await self._start_clusters(fresh.values())
+            prev_config = self.config
+            self.config = config
+            new_names = {lc.name for lc in config.listeners}
+            for name in [n for n in self.listeners if n not in new_names]:
+                self._close_listener(name)
+            for lc in config.listeners:
+                old = self._listen_cfg.get(lc.name)
+                if old is not None and old.listen == lc.listen and old.backlog == lc.backlog:
+                    state = self.listeners[lc.name]
+                    state.pipeline = self._pipeline(lc)   # new calls; in-flight ones keep theirs
+                    state.settings = self._settings(lc)   # new connections
+                    self._listen_cfg[lc.name] = lc
+                    continue
+                if old is not None:
+                    self._close_listener(lc.name)
+                try:
+                    await self._open(lc)
+                except OSError as e:
+                    log.error("reload: listener %s cannot listen on %s: %s", lc.name, lc.listen, e.strerror)
+            for c in retired:
+                checker = self.health.pop(c.name, None)
+                if checker is not None and checker.cluster is c:
+                    checker.close()
+                c.close()  # idle connections now; busy ones when their exchange ends
+            if config.tracing != prev_config.tracing and self._own_telemetry:
+                log.warning("tracing settings changed: they take effect at the next restart")
+            self.reloads["ok"] += 1
+            log.info("reloaded %s: %d listener(s), %d cluster(s) (%d rebuilt)", self.path or "config",
+                     len(config.listeners), len(config.clusters), len(fresh))
+            return True
+
+    def _close_listener(self, name: str) -> None:
+        """Stop accepting; connections already open keep being served until they close."""
+        srv = self.servers.pop(name, None)
+        if srv is not None:
+            srv.close()
+        self._listen_cfg.pop(name, None)
+        self.listeners.pop(name, None)
+
+    async def _watch_file(self) -> None:
+        """Reload when the file changes, including Kubernetes ConfigMap symlink swaps."""
+        import os
+
+        def stamp():
+            try:
+                real = os.path.realpath(self.path)
+                st = os.stat(real)
+                return (real, st.st_ino, st.st_size, st.st_mtime_ns)
+            except OSError:
+                return None
+
+        last = stamp()
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL)
+            now = stamp()
+            if now is not None and now != last:
+                last = now
+                log.info("config file changed: reloading")
+                await self.reload()
+
+    # -- drain and stop ----------------------------------------------------------------
+
     def request_stop(self) -> None:
         """First signal: drain. Second: stop now."""
         if self.draining:
@@ -183,7 +326,6 @@ class Server:
             self._stop.set()
             return
         self.draining = True
-        self.ready = False
         log.info("draining: serving local clients until none is connected for %.1fs or %.1fs pass",
                  DRAIN_GRACE, self.config.drain_timeout)
         self.loop.create_task(self._drain())
@@ -207,13 +349,16 @@ class Server:
         await self._stop.wait()
 
     async def close(self) -> None:
+        self.ready = False
+        if self._watch is not None:
+            self._watch.cancel()
         for srv in self.servers.values():
             srv.close()
         for state in self.listeners.values():
             for conn in list(state.connections):
                 if conn.transport is not None:
                     conn.transport.close()
-        for h in self.health:
+        for h in self.health.values():
             h.close()
         for c in self.clusters.values():
             c.close()
@@ -226,7 +371,7 @@ class Server:
         self.lag.stop()
         if self.admin is not None:
             await self.admin.close()
-        if self.telemetry is not None:  # spans flushed with a bounded timeout, off the loop
+        if self.telemetry is not None and self._own_telemetry:  # spans flushed with a bounded timeout
             flushed = await self.loop.run_in_executor(None, self.telemetry.shutdown, SPAN_FLUSH_TIMEOUT)
             if not flushed:
                 log.warning("spans not all exported within %.0fs at shutdown", SPAN_FLUSH_TIMEOUT)
@@ -244,12 +389,12 @@ class Server:
                     ep_snap["breaker_detail"] = ep.breaker.snapshot()
             clusters[name] = snap
         out = {
-            "ready": self.ready and not self.draining, "draining": self.draining,
+            "ready": self.ready and not self.draining, "draining": self.draining, "reloads": self.reloads,
             "listeners": {name: {**s.stats, **s.pipeline.stats, "connections": len(s.connections),
                                  "in_flight": sum(len(conn.queue) for conn in s.connections)}
                           for name, s in self.listeners.items()},
             "clusters": clusters,
-            "health_checks": {h.cluster.name: h.stats for h in self.health},
+            "health_checks": {name: h.stats for name, h in self.health.items()},
             "loop_lag_max_ms": round(self.lag.max_lag_ns / 1e6, 3),
         }
         if self.telemetry is not None and self.telemetry.queue is not None:
@@ -272,12 +417,13 @@ def setup_logging(cfg: cfgmod.Logging) -> None:
     root.setLevel(level)
 
 
-async def serve(config: cfgmod.Config) -> int:
+async def serve(config: cfgmod.Config, path: str | None = None) -> int:
     loop = asyncio.get_running_loop()
-    server = Server(config, loop)
+    server = Server(config, loop, path=path)
     await server.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.request_stop)
+    loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(server.reload()))
     try:
         await server.wait_stopped()
     finally:
@@ -295,9 +441,9 @@ def run_from_file(path: str) -> int:
         return 2
     setup_logging(config.logging)
     raise_nofile_limit()
-    return run(config)
+    return run(config, path)
 
 
-def run(config: cfgmod.Config) -> int:
+def run(config: cfgmod.Config, path: str | None = None) -> int:
     import uvloop
-    return uvloop.run(serve(config))
+    return uvloop.run(serve(config, path))
