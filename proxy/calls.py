@@ -77,6 +77,11 @@ class Call:
     def request_size(self) -> int:
         return len(self.msg.data) if self.msg is not None else 0
 
+    def __repr__(self) -> str:
+        name = self.msg.name if self.msg is not None else "?"
+        seqid = self.msg.seqid if self.msg is not None else "?"
+        return f"<Call {name} seqid={seqid} attempts={len(self.attempts)} outcome={self.outcome}>"
+
 
 class Attempt(Exchange):
     """One try of a call on one endpoint: acquire → write → reply."""
@@ -110,6 +115,9 @@ class Attempt(Exchange):
         self.pending = False                # counted in the cluster's max_pending
         self.is_retry = number > 1          # counted in the cluster's max_retries
         self.ended = False                  # its outcome is recorded (exactly once)
+
+    def __repr__(self) -> str:
+        return f"<Attempt {self.number} of {self.call!r} on {self.endpoint.label} outcome={self.outcome}>"
 
     # pool callback: a connection (or an error) arrived
     def __call__(self, conn, error) -> None:

@@ -86,6 +86,8 @@ class Pipeline:
             return
         call.route = route
         cluster = call.cluster = route.pick_cluster()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%r routed to cluster %s by route %d", call, cluster.name, route.index)
         if self.on_begin is not None and (msg.header is not None or
                                           (cluster.framing is not None and cluster.framing.is_header)):
             self.on_begin(call)
@@ -221,6 +223,8 @@ class Pipeline:
                 field = None
             outcome = calls.DECLARED_EXCEPTION if field is not None and field > 0 else calls.SUCCESS
         self._end_attempt(attempt, outcome)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%r replied: %d bytes, outcome %s", attempt, attempt.reply_size, outcome)
         if call.cancelled or attempt is not call.attempt:
             return
         call.result_field = field
