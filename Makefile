@@ -12,12 +12,12 @@ GEN    := tests/gen
 GOCLIENT := $(CACHE)/bin/sidecar-test-client
 PYTEST_ARGS ?=
 
-.PHONY: demo test deps thrift-compiler gen go-client bench clean
+.PHONY: demo test deps thrift-compiler chromium jaeger gen go-client bench clean
 
 demo: deps
 	$(VENV)/bin/thrift-sidecar demo
 
-test: deps gen go-client
+test: deps gen go-client jaeger chromium
 	SIDECAR_GO_CLIENT=$(GOCLIENT) $(PY) -m pytest $(PYTEST_ARGS)
 
 deps: $(STAMP)
@@ -28,12 +28,20 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[test]'
 	touch $@
 
+APT_INSTALL = if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq
+
+# Headless Chromium renders the hops waterfall in tests (Debian's package).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { echo "installing Debian's chromium"; $(APT_INSTALL) chromium; }
+
+# A real Jaeger v2 for end-to-end tests, built from the Go module proxy and cached outside the repo.
+jaeger:
+	CACHE=$(CACHE) tools/jaeger/build.sh >/dev/null
+
 # The Thrift compiler generates the test services' code from IDL (Debian's package).
 thrift-compiler:
-	@command -v thrift >/dev/null 2>&1 || { \
-	  echo "installing Debian's thrift-compiler"; \
-	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
-	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq thrift-compiler; }
+	@command -v thrift >/dev/null 2>&1 || { echo "installing Debian's thrift-compiler"; $(APT_INSTALL) thrift-compiler; }
 
 gen: thrift-compiler $(GEN)/.stamp
 

@@ -1,4 +1,4 @@
-"""Command line: `thrift-sidecar run|check-config|demo` (argparse, the standard library's).
+"""Command line: `thrift-sidecar run|check-config|demo|hops` (argparse, the standard library's).
 
 Parsing only; each command calls into the module that owns the work.
 """
@@ -20,7 +20,53 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a config file and print a summary")
     check.add_argument("file", metavar="FILE")
 
-    sub.add_parser("demo", help="run the demo: upstreams, sidecar, clients, hop table")
+    demo = sub.add_parser("demo", help="run the demo: upstreams, sidecar, clients, hop table")
+    demo.add_argument("--out", default="out/demo", metavar="DIR",
+                      help="where the span file and the waterfall go (default out/demo)")
+    demo.add_argument("--calls", type=int, default=120, metavar="N", help="calls in the client's mix (120)")
+    demo.add_argument("--otlp", metavar="ENDPOINT",
+                      help="also export the spans there, e.g. http://127.0.0.1:4317 (or set "
+                           "THRIFT_SIDECAR_DEMO_OTLP)")
+    demo.add_argument("--otlp-protocol", choices=("grpc", "http"), default="grpc")
+    demo.add_argument("--png", action="store_true", help="also screenshot the waterfall (needs chromium)")
+
+    up = sub.add_parser("demo-upstream", help="serve the demo's UserService until SIGTERM")
+    up.add_argument("--host", default="0.0.0.0", help="address to listen on (0.0.0.0: every interface)")
+    up.add_argument("--port", type=int, default=9191, help="port (0: any free port; printed)")
+    up.add_argument("--framing", choices=("framed", "buffered", "header"), default="framed")
+    up.add_argument("--protocol", choices=("binary", "compact"), default="binary")
+    up.add_argument("--fail-every", type=int, default=0, metavar="N",
+                    help="answer every Nth get_users with the declared Unavailable exception")
+
+    client = sub.add_parser("demo-client", help="make a mix of UserService calls (with --forever until SIGTERM)")
+    client.add_argument("--target", required=True, metavar="HOST:PORT", help="the sidecar's listener")
+    client.add_argument("--count", type=int, default=120, metavar="N", help="calls per round (120)")
+    client.add_argument("--forever", action="store_true", help="repeat rounds until SIGTERM/SIGINT")
+    client.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
+                        help="with --forever: pause between rounds (1)")
+    client.add_argument("--connections", type=int, default=4, metavar="N", help="concurrent connections (4)")
+    client.add_argument("--large", type=int, default=2, metavar="N",
+                        help="5,499-user get_users calls per round, read normally (2)")
+    client.add_argument("--no-slow-reader", dest="slow_reader", action="store_false",
+                        help="leave out the slow-reading client")
+    client.add_argument("--framing", choices=("framed", "buffered", "header"), default="framed")
+    client.add_argument("--protocol", choices=("binary", "compact"), default="binary")
+    client.add_argument("--seed", type=int, default=1, help="the mix's random seed")
+
+    hops = sub.add_parser("hops", help="which hop is slow: hop table, worst calls and a verdict from spans",
+                          description="Per group: count, p50/p99 of the total and of each hop, each hop's "
+                                      "share; the worst calls; last line: the verdict.")
+    source = hops.add_mutually_exclusive_group(required=True)
+    source.add_argument("--spans", metavar="FILE.jsonl", help="span file of `tracing.exporter: jsonl`")
+    source.add_argument("--jaeger", metavar="URL", help="Jaeger query API, e.g. http://127.0.0.1:16686")
+    hops.add_argument("--service", metavar="NAME", help="with --jaeger: the sidecar's tracing.service_name")
+    hops.add_argument("--method", metavar="M", help="only this method (`get_users`, `Svc/get_*`; globs)")
+    hops.add_argument("--by", choices=("method", "endpoint", "client"), default="method",
+                      help="group calls by method (default), upstream endpoint or client connection")
+    hops.add_argument("--worst", type=int, default=5, metavar="N", help="list (and draw) the N slowest calls")
+    hops.add_argument("--html", metavar="FILE", help="also write a waterfall of the worst calls as HTML")
+    hops.add_argument("--limit", type=int, default=1000, metavar="N", help="with --jaeger: at most N traces")
+    hops.add_argument("--lookback", default="1h", metavar="DURATION", help="with --jaeger: how far back (1h)")
     return p
 
 
@@ -33,7 +79,16 @@ def main(argv: list[str] | None = None) -> int:
         return run_from_file(args.config)
     if args.command == "demo":
         from proxy.demo import main as demo_main
-        return demo_main()
+        return demo_main(args)
+    if args.command == "demo-upstream":
+        from proxy.demo_upstream import main as upstream_main
+        return upstream_main(args)
+    if args.command == "demo-client":
+        from proxy.demo_client import main as client_main
+        return client_main(args)
+    if args.command == "hops":
+        from proxy.hops import run as hops_run
+        return hops_run(args)
     raise AssertionError(args.command)
 
 
