@@ -1,0 +1,415 @@
+"""proxy.client: the app-side helper — accelerated path, phase spans, trace context in THeader.
+
+Real generated clients and servers (tests/harness.py), spans in an InMemorySpanExporter. The
+one timing comparison is a ratio inside one run (medians), not an absolute figure.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import sys
+import threading
+import time
+import warnings
+
+import pytest
+import thrift.protocol
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+from opentelemetry.trace import SpanContext, SpanKind, StatusCode, TraceFlags, TraceState
+from thrift.protocol import TBinaryProtocol, THeaderProtocol
+from thrift.Thrift import TMessageType
+from thrift.transport import THeaderTransport, TSocket, TTransport
+from thrift.transport.TTransport import TTransportException
+
+import proxy.client as client_mod
+from harness import FRAMINGS, PROTOCOLS, Proxy, ThriftServer, config_text, make_users
+from proxy import spans, tracecontext
+from proxy.client import (DECODE, DECODE_BLOCKED_MS, ENCODE, SEND, WAIT, AcceleratorWarning,
+                          check_accelerated, connect)
+from proxy.sockets import nodelay_of
+from sidecar_test import AdminService, TestService
+from sidecar_test.TestService import get_users_result
+from sidecar_test.ttypes import NotFound
+
+TWO_WAY = [ENCODE, SEND, WAIT, DECODE]
+
+
+@pytest.fixture
+def memory():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield provider.get_tracer("test"), exporter
+    provider.shutdown()
+
+
+@pytest.fixture
+def fresh_warning(monkeypatch):
+    """The once-per-process flag, reset for this test (and restored after it)."""
+    monkeypatch.setattr(client_mod, "_warned", False)
+
+
+def children(exporter, parent):
+    return sorted((s for s in exporter.get_finished_spans()
+                   if s.parent is not None and s.parent.span_id == parent.context.span_id),
+                  key=lambda s: s.start_time)
+
+
+def client_spans(exporter, name=None):
+    return [s for s in exporter.get_finished_spans()
+            if s.kind is SpanKind.CLIENT and (name is None or s.name == name)]
+
+
+# -- (a) the accelerated path engages ------------------------------------------------------------
+
+
+def _reply_bytes(count: int) -> bytes:
+    """The get_users REPLY message a binary server writes (pure-Python encoder: same bytes)."""
+    buf = TTransport.TMemoryBuffer()
+    prot = TBinaryProtocol.TBinaryProtocol(buf)
+    prot.writeMessageBegin("get_users", TMessageType.REPLY, 0)
+    get_users_result(success=make_users(count)).write(prot)
+    prot.writeMessageEnd()
+    return buf.getvalue()
+
+
+def test_decode_through_the_helper_is_5x_faster_than_pure_python(memory):
+    """Helper calls and pure-Python decodes of the same reply bytes alternate, so both see the
+    same machine load; the helper's decode time is its `decode` span (reply already in memory)."""
+    tracer, exporter = memory
+    reply = _reply_bytes(5499)
+
+    def pure_decode() -> float:
+        pure_client = TestService.Client(TBinaryProtocol.TBinaryProtocol(TTransport.TMemoryBuffer(reply)))
+        t0 = time.perf_counter()
+        users = pure_client.recv_get_users()
+        elapsed = time.perf_counter() - t0
+        assert len(users) == 5499
+        return elapsed
+
+    pure = []
+    server = ThriftServer("framed", "binary")
+    try:
+        with connect(TestService.Client, port=server.port, tracer=tracer) as c:
+            assert c.accelerated
+            for _ in range(7):
+                assert len(c.get_users(5499, 0)) == 5499
+                pure.append(pure_decode())
+    finally:
+        server.stop()
+    calls = client_spans(exporter, "TestService/get_users")
+    assert len(calls) == 7
+    # the helper decoded exactly these bytes (plus the frame's length prefix)
+    assert {s.attributes[spans.REPLY_SIZE] for s in calls} == {len(reply) + 4}
+    fast = statistics.median(
+        (d.end_time - d.start_time) / 1e9 for s in calls for d in children(exporter, s) if d.name == DECODE)
+    slow = statistics.median(pure)
+    print(f"decode 5,499 users: helper {fast * 1e3:.1f} ms, pure Python {slow * 1e3:.1f} ms, "
+          f"{slow / fast:.1f}x")
+    assert slow >= 5 * fast, f"helper {fast * 1e3:.1f} ms vs pure {slow * 1e3:.1f} ms: {slow / fast:.1f}x"
+
+
+@pytest.fixture
+def fast_calls(monkeypatch):
+    """Counts calls into Thrift's C encoder/decoder (wrapped before any protocol is built)."""
+    from thrift.protocol import fastbinary
+
+    used = {"encode": 0, "decode": 0}
+
+    class spy:  # a callable object, not a function: TMultiplexedProtocol must not bind it
+        def __init__(self, kind, real):
+            self.kind, self.real = kind, real
+
+        def __call__(self, *args):
+            used[self.kind] += 1
+            return self.real(*args)
+
+    for proto in PROTOCOLS:
+        for kind in used:
+            name = f"{kind}_{proto}"
+            monkeypatch.setattr(fastbinary, name, spy(kind, getattr(fastbinary, name)))
+    return used
+
+
+@pytest.mark.parametrize("service", [None, "TestService"])
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("framing", FRAMINGS)
+def test_fastbinary_encodes_and_decodes_every_call(framing, protocol, service, fast_calls, memory):
+    """The C encoder/decoder is what runs, whatever the framing (spied on, not timed)."""
+    server = ThriftServer(framing, protocol, multiplexed=service is not None)
+    try:
+        with connect(TestService.Client, port=server.port, framing=framing, protocol=protocol,
+                     service=service, tracer=memory[0]) as c:
+            assert c.accelerated
+            assert len(c.get_users(50, 0)) == 50
+            assert c.lookup("k") == "upstream:k"
+    finally:
+        server.stop()
+    assert fast_calls["encode"] >= 2 and fast_calls["decode"] >= 2, fast_calls
+
+
+# -- (b) the spans -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("framing", FRAMINGS)
+def test_each_call_is_a_client_span_with_its_phases(framing, protocol, memory):
+    tracer, exporter = memory
+    server = ThriftServer(framing, protocol)
+    try:
+        with connect(TestService.Client, port=server.port, framing=framing, protocol=protocol,
+                     tracer=tracer) as c:
+            with tracer.start_as_current_span("app") as app:
+                c.ping()
+                assert [u.id for u in c.get_users(100, 0)] == list(range(100))
+                with pytest.raises(NotFound) as raised:
+                    c.lookup("missing")
+                assert raised.value.code == 404
+                c.log_event("seen")
+                assert c.count("seen") == 1  # the oneway call arrived before this reply
+    finally:
+        server.stop()
+
+    calls = client_spans(exporter)
+    assert [s.name for s in calls] == ["TestService/ping", "TestService/get_users", "TestService/lookup",
+                                       "TestService/log_event", "TestService/count"]
+    for s in calls:
+        assert s.parent.span_id == app.context.span_id
+        assert s.context.trace_id == app.context.trace_id
+        assert s.attributes[spans.RPC_SYSTEM] == "apache_thrift"
+        assert s.attributes[spans.RPC_SERVICE] == "TestService"
+        assert s.attributes[spans.RPC_METHOD] == s.name.split("/")[1]
+        assert s.attributes[spans.SERVER_PORT] == server.port
+        assert s.attributes["sidecar.accelerated"] is True
+        assert s.attributes[spans.REQUEST_SIZE] > 0
+        phases = children(exporter, s)
+        oneway = s.name.endswith("log_event")
+        assert [p.name for p in phases] == (TWO_WAY[:2] if oneway else TWO_WAY)
+        # the phases tile the call: consecutive, inside it, from its start to its end
+        assert phases[0].start_time == s.start_time and phases[-1].end_time == s.end_time
+        for a, b in zip(phases, phases[1:]):
+            assert a.end_time == b.start_time
+        for p in phases:
+            assert p.context.trace_id == s.context.trace_id
+            assert p.status.status_code is StatusCode.UNSET
+        if not oneway:
+            assert s.attributes[spans.REPLY_SIZE] > 0
+        if framing == "buffered" and not oneway:
+            assert DECODE_BLOCKED_MS in phases[-1].attributes
+
+    ok = [s for s in calls if not s.name.endswith("lookup")]
+    assert all(s.status.status_code is StatusCode.UNSET for s in ok)
+    (lookup,) = client_spans(exporter, "TestService/lookup")
+    assert lookup.status.status_code is StatusCode.ERROR
+    assert lookup.attributes[spans.ERROR_TYPE] == "NotFound"
+    assert [e.name for e in lookup.events] == ["exception"]
+    users = client_spans(exporter, "TestService/get_users")[0]
+    assert users.attributes[spans.REPLY_SIZE] > 100 * 50
+
+
+@pytest.mark.parametrize("framing", FRAMINGS)
+def test_waiting_for_the_reply_is_not_counted_as_decoding(framing, memory):
+    tracer, exporter = memory
+    server = ThriftServer(framing, "binary")
+    try:
+        with connect(TestService.Client, port=server.port, framing=framing, tracer=tracer) as c:
+            assert len(c.get_users(500, 500)) == 500  # the service sleeps 500 ms first
+    finally:
+        server.stop()
+    (call,) = client_spans(exporter)
+    phases = {p.name: (p.end_time - p.start_time) / 1e9 for p in children(exporter, call)}
+    # one-sided, from the mechanism: had decode waited for the reply, it would hold the 500 ms
+    assert phases[WAIT] >= 0.5, phases
+    assert phases[DECODE] < 0.5, phases
+
+
+def test_multiplexed_services(memory):
+    tracer, exporter = memory
+    server = ThriftServer("framed", "binary", multiplexed=True)
+    try:
+        with connect(AdminService.Client, port=server.port, service="AdminService", tracer=tracer) as admin, \
+                connect(TestService.Client, port=server.port, service="TestService", tracer=tracer) as test:
+            assert admin.add(2, 3) == 5
+            assert test.lookup("k") == "upstream:k"
+    finally:
+        server.stop()
+    assert [s.name for s in client_spans(exporter)] == ["AdminService/add", "TestService/lookup"]
+
+
+def test_a_broken_exchange_closes_the_connection_and_the_next_call_redials(memory):
+    tracer, exporter = memory
+    server = ThriftServer("framed", "binary")
+    try:
+        with connect(TestService.Client, port=server.port, timeout=0.2, tracer=tracer) as c:
+            assert nodelay_of(c._sock)
+            with pytest.raises(TTransportException) as raised:
+                c.sleep(600)
+            assert raised.value.type == TTransportException.TIMED_OUT
+            # a new connection: the late sleep reply cannot be read as this call's reply
+            assert c.lookup("k") == "upstream:k"
+            assert server.connections == 2
+    finally:
+        server.stop()
+    failed, ok = client_spans(exporter)
+    assert failed.status.status_code is StatusCode.ERROR
+    assert failed.attributes[spans.ERROR_TYPE] == "TTransportException"
+    phases = children(exporter, failed)
+    assert [p.name for p in phases] == [ENCODE, SEND, WAIT]
+    assert phases[-1].status.status_code is StatusCode.ERROR
+    assert ok.status.status_code is StatusCode.UNSET
+
+
+# -- (c) trace context in THeader headers --------------------------------------------------------
+
+
+class HeaderRecorder:
+    """A THeader TestService server that records each request's info headers."""
+
+    def __init__(self) -> None:
+        from harness import Handler
+
+        self.seen: list[dict[str, str]] = []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.processor = TestService.Processor(Handler("recorder"))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        sock = TSocket.TSocket()
+        sock.setHandle(conn)
+        prot = THeaderProtocol.THeaderProtocol(sock, [THeaderTransport.THeaderClientType.HEADERS])
+        processor = TestService.Processor(self.processor._handler)
+        # called right after the request's THeader frame is read: its headers are current
+        processor.on_message_begin(lambda *_: self.seen.append(
+            {k.decode(): v.decode() for k, v in prot.get_headers().items()}))
+        try:
+            while True:
+                processor.process(prot, prot)
+        except Exception:
+            conn.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.fixture
+def recorder():
+    r = HeaderRecorder()
+    yield r
+    r.close()
+
+
+def test_header_framing_sends_the_client_span_as_traceparent(recorder, memory):
+    tracer, exporter = memory
+    remote = SpanContext(0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7, is_remote=True,
+                         trace_flags=TraceFlags(TraceFlags.SAMPLED),
+                         trace_state=TraceState([("vendor", "abc")]))
+    parent_ctx = trace.set_span_in_context(trace.NonRecordingSpan(remote))
+    with connect(TestService.Client, port=recorder.port, framing="header", tracer=tracer) as c:
+        with tracer.start_as_current_span("app", context=parent_ctx):
+            assert c.lookup("a") == "recorder:a"
+            assert c.lookup("b") == "recorder:b"
+    calls = client_spans(exporter)
+    assert len(calls) == 2 and len(recorder.seen) == 2
+    for span, headers in zip(calls, recorder.seen):
+        parent = tracecontext.parse(headers)  # read as the sidecar reads it
+        assert parent is not None
+        assert parent.trace_id == span.context.trace_id == remote.trace_id
+        assert parent.span_id == span.context.span_id  # the sidecar's SERVER span becomes its child
+        assert parent.sampled is True
+        assert parent.tracestate == "vendor=abc"
+        assert headers["traceparent"] == f"00-{span.context.trace_id:032x}-{span.context.span_id:016x}-01"
+
+
+def test_unsampled_calls_still_send_their_context_and_decision(recorder):
+    tracer = TracerProvider(sampler=ALWAYS_OFF).get_tracer("test")
+    with connect(TestService.Client, port=recorder.port, framing="header", tracer=tracer) as c:
+        c.ping()
+    parent = tracecontext.parse(recorder.seen[0])
+    assert parent is not None and parent.sampled is False  # the sidecar follows: not head-sampled
+
+
+def test_no_sdk_no_header(recorder):
+    with connect(TestService.Client, port=recorder.port, framing="header", tracer=trace.NoOpTracer()) as c:
+        c.ping()
+    assert "traceparent" not in recorder.seen[0]
+
+
+def test_the_sidecar_joins_the_app_trace(recorder, memory, tmp_path):
+    """app CLIENT → sidecar SERVER (child of the app's span) → upstream sees the same trace."""
+    tracer, exporter = memory
+    path = tmp_path / "spans.jsonl"
+    top = f"tracing: {{exporter: jsonl, path: {json.dumps(str(path))}, sample_ratio: 0.0}}\n"
+    text = config_text([f"127.0.0.1:{recorder.port}"], transport="header", cluster_transport="header",
+                       extra_top=top)
+    with Proxy(text) as p:
+        with connect(TestService.Client, port=p.port(), framing="header", tracer=tracer) as c:
+            assert c.lookup("k") == "recorder:k"
+    (call,) = client_spans(exporter)
+    upstream = tracecontext.parse(recorder.seen[0])
+    assert upstream.trace_id == call.context.trace_id and upstream.sampled is True
+    assert upstream.span_id != call.context.span_id  # the sidecar's own CLIENT attempt
+    exported = [s for line in path.read_text().splitlines()
+                for rs in json.loads(line)["resourceSpans"] for ss in rs["scopeSpans"] for s in ss["spans"]]
+    (server,) = [s for s in exported if s["kind"] == 2]
+    assert server["traceId"] == f"{call.context.trace_id:032x}"
+    assert server["parentSpanId"] == f"{call.context.span_id:016x}"
+    attempt = [s for s in exported if s["kind"] == 3]
+    assert attempt and attempt[0]["spanId"] == f"{upstream.span_id:016x}"
+
+
+# -- (d) the once-only warning -------------------------------------------------------------------
+
+
+def test_warns_once_when_fastbinary_is_missing(monkeypatch, fresh_warning, memory):
+    monkeypatch.setitem(sys.modules, "thrift.protocol.fastbinary", None)
+    monkeypatch.delattr(thrift.protocol, "fastbinary", raising=False)
+    server = ThriftServer("framed", "binary")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # only our own flag may keep the second one back
+            with connect(TestService.Client, port=server.port, tracer=memory[0]) as c:
+                assert not c.accelerated
+                assert len(c.get_users(20, 0)) == 20  # still correct, in pure Python
+            with connect(TestService.Client, port=server.port, tracer=memory[0]) as c:
+                assert c.lookup("k") == "upstream:k"
+    finally:
+        server.stop()
+    ours = [w for w in caught if issubclass(w.category, AcceleratorWarning)]
+    assert len(ours) == 1
+    assert "fastbinary" in str(ours[0].message)
+    assert client_spans(memory[1])[0].attributes["sidecar.accelerated"] is False
+
+
+def test_check_accelerated_names_a_transport_that_is_not_c_readable(fresh_warning):
+    class Plain(TTransport.TTransportBase):  # e.g. a hand-written logging or socket transport
+        def __init__(self):
+            self.buf = TTransport.TMemoryBuffer()
+
+        def read(self, n):
+            return self.buf.read(n)
+
+    slow = TestService.Client(TBinaryProtocol.TBinaryProtocolAccelerated(Plain()))
+    fine = TestService.Client(TBinaryProtocol.TBinaryProtocolAccelerated(
+        TTransport.TBufferedTransport(TTransport.TMemoryBuffer())))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert check_accelerated(fine) is True
+        assert check_accelerated(slow) is False
+        assert check_accelerated(slow) is False
+    assert len(caught) == 1 and issubclass(caught[0].category, AcceleratorWarning)
+    assert "Plain is not a CReadableTransport" in str(caught[0].message)
