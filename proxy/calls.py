@@ -132,3 +132,12 @@ class Attempt(Exchange):
 
     def on_failure(self, error) -> None:
         self.call.pipeline.attempt_failed(self, error)
+
+    def start_stream(self, head) -> bool:
+        return self.call.pipeline.stream_start(self, head)
+
+    def stream_data(self, data) -> None:
+        self.call.conn.stream_write(self.call, data)
+
+    def stream_end(self) -> None:
+        self.call.pipeline.stream_end(self)

@@ -14,6 +14,7 @@ the client can read the reply before the socket goes away.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from time import monotonic_ns
 from proxy.codec import Decoder, Framing, Head, MessageType, Protocol, ProtocolError, exception_reply
 from proxy.calls import Call
 from proxy.pipeline import PREFIX
-from proxy.sockets import set_nodelay, unacked_bytes
+from proxy.sockets import set_nodelay
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,14 @@ LINGER = 2.0  # seconds a closing connection keeps reading (and discarding) so i
 ACK_POLL_FIRST = 0.001  # then doubling, up to ACK_POLL_MAX, while a reply is not acknowledged
 ACK_POLL_MAX = 0.01
 ACK_CAP_NS = 60_000_000_000  # a client that has not acknowledged a reply after this never read it
+SIOCOUTQNSD = 0x894B  # Linux: bytes in a TCP socket's send queue not yet sent to the peer
+
+
+def _unsent_bytes(fd: int) -> int:
+    try:
+        return int.from_bytes(fcntl.ioctl(fd, SIOCOUTQNSD, b"\0\0\0\0"), "little", signed=True)
+    except OSError:
+        return 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +71,8 @@ class ListenerState:
 class ClientConnection(asyncio.Protocol):
     __slots__ = ("state", "transport", "decoder", "queue", "peer", "t_first",
                  "closing", "paused_reading", "paused_writing", "_read_timer", "_idle_timer",
-                 "_last_active", "_linger", "fd", "bytes_out", "_unacked", "_ack_poll", "_ack_delay")
+                 "_last_active", "_linger", "fd", "bytes_out", "_unacked", "_ack_poll", "_ack_delay",
+                 "stream_call", "stream_up", "_paused_at")
 
     def __init__(self, state: ListenerState) -> None:
         self.state = state
@@ -84,6 +94,9 @@ class ClientConnection(asyncio.Protocol):
         self._unacked: deque = deque()     # (end offset in bytes_out, call) not yet acknowledged
         self._ack_poll = None
         self._ack_delay = ACK_POLL_FIRST
+        self.stream_call: Call | None = None   # the call whose reply is streaming now
+        self.stream_up = None                  # its upstream connection (paused with us)
+        self._paused_at = 0
 
     # -- asyncio.Protocol -----------------------------------------------------
 
@@ -189,13 +202,74 @@ class ClientConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.paused_writing = True
+        self._paused_at = monotonic_ns()
+        if self.stream_up is not None:
+            self.stream_up.pause_reading()  # backpressure reaches the upstream
         if not self.paused_reading and not self.closing:
             self.paused_reading = True
             self.transport.pause_reading()
 
     def resume_writing(self) -> None:
         self.paused_writing = False
+        if self.stream_call is not None:
+            self.stream_call.client_paused_ns += monotonic_ns() - self._paused_at
+        if self.stream_up is not None:
+            self.stream_up.resume_reading()
         self._maybe_resume()
+
+    # -- a streaming reply ---------------------------------------------------------------
+
+    def can_stream(self, call: Call) -> bool:
+        """Only the first reply in line may stream (replies go back in request order)."""
+        return (self.stream_call is None and not self.closing and self.transport is not None
+                and bool(self.queue) and self.queue[0] is call)
+
+    def stream_begin(self, call: Call, upconn) -> None:
+        self.stream_call = call
+        self.stream_up = upconn
+        call.t_write = monotonic_ns()
+        if self.paused_writing:
+            upconn.pause_reading()
+
+    def stream_write(self, call: Call, data) -> None:
+        if call is not self.stream_call or self.transport is None:
+            return
+        self.transport.write(data)
+        self.bytes_out += len(data)
+
+    def stream_end(self, call: Call) -> None:
+        if call is not self.stream_call:
+            return
+        self.stream_call = None
+        self.stream_up = None
+        if self.paused_writing:
+            call.client_paused_ns += monotonic_ns() - self._paused_at
+            self._paused_at = monotonic_ns()
+        a = call.attempts[-1] if call.attempts else None
+        if a is not None and a.t_reply and a.t_first_reply:
+            call.upstream_wait_ns = max(a.t_reply - a.t_first_reply - call.client_paused_ns, 0)
+        q = self.queue
+        if q and q[0] is call:
+            q.popleft()
+        self._unacked.append((self.bytes_out, call))
+        call.reply = b""  # written already; nothing left to send
+        if q and q[0].reply is not None:
+            self.call_done(q[0])
+        else:
+            if self._ack_poll is not None:
+                self._ack_poll.cancel()
+            self._check_acks()
+            if self.closing and not q:
+                self._close_after_replies()
+            elif self.paused_reading:
+                self._maybe_resume()
+
+    def stream_abort(self, call: Call) -> None:
+        """The reply broke after bytes reached the client: only closing its connection is left."""
+        self.stream_call = None
+        self.stream_up = None
+        if self.transport is not None:
+            self.transport.abort()
 
     # -- calls ------------------------------------------------------------------
 
@@ -239,11 +313,15 @@ class ClientConnection(asyncio.Protocol):
     # -- the write_response hop: until the client acknowledged every byte -------------
 
     def _check_acks(self) -> None:
-        """Record `t_handed` (the kernel took the bytes) and `t_acked` (SIOCOUTQ says the
-        client acknowledged them) for written replies; poll with growing intervals until done.
+        """Record `t_handed` (the kernel took the bytes) and `t_acked` (the client's kernel has
+        them) for written replies; poll with growing intervals until done.
 
         The kernel swallows megabytes at once, so "written" says nothing about a slow
         reader; the send queue does. Offsets make this exact for pipelined replies.
+        "Has them" = no byte left unsent in our send queue (SIOCOUTQNSD), not SIOCOUTQ = 0:
+        a client that reads at once still delays its ACK (Linux delayed ACKs in request/reply
+        traffic: until its next request, else ~40 ms), which would pass for a slow reader.
+        A slow reader's full receive window keeps bytes unsent, so it still shows.
         """
         self._ack_poll = None
         t = self.transport
@@ -253,7 +331,7 @@ class ClientConnection(asyncio.Protocol):
         now = monotonic_ns()
         buffered = t.get_write_buffer_size()
         handed = self.bytes_out - buffered
-        acked = handed - unacked_bytes(self.fd)
+        acked = handed - _unsent_bytes(self.fd)
         for end, call in unacked:
             if call.t_handed == 0 and handed >= end:
                 call.t_handed = now

@@ -235,7 +235,43 @@ class Pipeline:
         data = reply.data if reply.framing is framing else reframe(reply, framing)
         self.finish(call, data)
 
+    # 6b: a large reply streams: checked and classified from its head, passed on as it arrives
+
+    def stream_start(self, attempt: Attempt, head) -> bool:
+        call = attempt.call
+        if (call.cancelled or attempt is not call.attempt or call.oneway
+                or head.framing is not call.msg.framing or not call.conn.can_stream(call)):
+            return False  # read it whole: it is re-framed, or replies ahead of it are pending
+        if head.type == MessageType.EXCEPTION:
+            outcome = calls.APP_EXCEPTION
+        elif head.result_field is not None and head.result_field > 0:
+            outcome = calls.DECLARED_EXCEPTION
+        else:
+            outcome = calls.SUCCESS
+        call.streamed = True
+        call.outcome = outcome
+        call.result_field = head.result_field
+        call.reply_size = head.total
+        call.conn.stream_begin(call, attempt.upconn)
+        return True
+
+    def stream_end(self, attempt: Attempt) -> None:
+        attempt.t_reply = monotonic_ns()
+        ep = attempt.endpoint
+        ep.outstanding -= 1
+        ep.ewma.observe((attempt.t_first_reply - attempt.t_written) / 1e9)
+        attempt.upconn = None
+        call = attempt.call
+        attempt.reply_size = call.reply_size
+        self._end_attempt(attempt, call.outcome)
+        call.t_done = attempt.t_reply
+        self._release_call(call)
+        call.conn.stream_end(call)
+
     def attempt_failed(self, attempt: Attempt, error: UpstreamError) -> None:
+        if attempt.call.streamed:
+            self._stream_failed(attempt, error.message)
+            return
         self._leave_pending(attempt)
         if attempt.upconn is not None:
             attempt.endpoint.outstanding -= 1
@@ -348,9 +384,33 @@ class Pipeline:
         self.stats["timeouts"] += 1
         self.attempt_failed(attempt, self._stop_attempt(attempt, f"per-try timeout {_ms(per_try)}"))
 
+    def _stream_failed(self, attempt: Attempt, why: str) -> None:
+        """Reply bytes already went to the client: all we can do is close its connection."""
+        call = attempt.call
+        if attempt.upconn is not None:
+            attempt.endpoint.outstanding -= 1
+            attempt.upconn = None
+        attempt.t_reply = monotonic_ns()
+        attempt.error = why
+        self._end_attempt(attempt, calls.MAY_HAVE_RUN)
+        call.outcome = calls.MAY_HAVE_RUN
+        call.error = f"may have run: {why} (while streaming the reply; client connection closed)"
+        call.error_type = calls.MAY_HAVE_RUN
+        self.stats["errors"] += 1
+        log.warning("call %s: %s", call.msg.name, call.error)
+        self._release_call(call)
+        call.conn.stream_abort(call)
+
     def _call_timeout(self, call: Call, timeout: float) -> None:
         call.timer = None
         if call.reply is not None or call.cancelled:
+            return
+        if call.streamed:
+            a = call.attempt
+            if a is not None and a.upconn is not None:
+                a.upconn.abandon()
+            self.stats["timeouts"] += 1
+            self._stream_failed(a, f"route timeout {_ms(timeout)}")
             return
         self.stats["timeouts"] += 1
         if call.retry_timer is not None:

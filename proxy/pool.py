@@ -29,6 +29,7 @@ class PoolSettings:
     acquire_timeout: float = 1.0
     connect_timeout: float = 0.25
     max_reply_size: int = 16_384_000
+    stream_threshold: int = 1 << 20   # larger replies stream to the client as they arrive
 
 
 class Waiter:
@@ -149,7 +150,8 @@ class Pool:
             try:
                 async with asyncio.timeout(s.connect_timeout):
                     _, conn = await loop.create_connection(
-                        lambda: UpstreamConnection(self, self.framing, self.protocol, s.max_reply_size),
+                        lambda: UpstreamConnection(self, self.framing, self.protocol, s.max_reply_size,
+                                                   s.stream_threshold),
                         self.host, self.port, ssl=self.ssl,
                         server_hostname=self.server_hostname if self.ssl else None)
             finally:

@@ -15,8 +15,55 @@ import asyncio
 import logging
 from time import monotonic_ns
 
+import struct
+
 from proxy.codec import Decoder, Framing, Message, MessageType, Protocol, ProtocolError
+from proxy.codec.heads import peek_result_field, read_head
+from proxy.codec.theader import parse_header_block
 from proxy.sockets import set_nodelay
+
+_I32 = struct.Struct("!i")
+PROBE_MAX = 64 * 1024  # bytes gathered to read a large reply's head before deciding to stream it
+
+
+class StreamHead:
+    """The head of a reply that will stream: enough to check and classify it."""
+
+    __slots__ = ("name", "type", "seqid", "result_field", "total", "framing")
+
+    def __init__(self, name, mtype, seqid, result_field, total, framing) -> None:
+        self.name = name
+        self.type = mtype
+        self.seqid = seqid
+        self.result_field = result_field
+        self.total = total          # bytes of the whole reply, length prefix included
+        self.framing = framing
+
+
+def stream_head(buf, framing: Framing, protocol: Protocol, total: int) -> StreamHead | None:
+    """Read the head (and first result field) of a framed/THeader reply from its first bytes.
+
+    None when more bytes are needed (or it cannot stream: a transformed THeader payload).
+    """
+    end = len(buf)
+    start = 4
+    if framing is Framing.FRAMED_HEADER:
+        start = 8
+    if framing.is_header:
+        block, start = parse_header_block(buf, start, min(end, total), framing)
+        if block.transforms:
+            return None
+        protocol = Protocol.COMPACT if block.protocol is Protocol.COMPACT else protocol
+    r = read_head(buf, start, end, protocol)
+    if r is None:
+        return None
+    name, mtype, seqid, body = r
+    field = None
+    if mtype == MessageType.REPLY:
+        if body + 3 > end:
+            return None
+        field = peek_result_field(buf, body, end, protocol)
+    return StreamHead(name, mtype, seqid, field, total, framing)
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +87,16 @@ class Exchange:
     seqid: int
     t_first_reply: int
 
+    def start_stream(self, head: StreamHead) -> bool:  # pragma: no cover - interface
+        """A large reply begins: True to stream it to the client as it arrives."""
+        return False
+
+    def stream_data(self, data) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def stream_end(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
     def on_reply(self, reply: Message) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
@@ -48,9 +105,11 @@ class Exchange:
 
 
 class UpstreamConnection(asyncio.Protocol):
-    __slots__ = ("pool", "transport", "decoder", "exchange_", "idle_since", "closed", "label")
+    __slots__ = ("pool", "transport", "decoder", "exchange_", "idle_since", "closed", "label", "framing",
+                 "protocol", "max_reply_size", "stream_threshold", "_probe", "_stream_left")
 
-    def __init__(self, pool, framing: Framing, protocol: Protocol, max_reply_size: int) -> None:
+    def __init__(self, pool, framing: Framing, protocol: Protocol, max_reply_size: int,
+                 stream_threshold: int = 0) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.decoder = Decoder(framing, protocol, max_reply_size)
@@ -58,6 +117,13 @@ class UpstreamConnection(asyncio.Protocol):
         self.idle_since = 0.0
         self.closed = False
         self.label = pool.label
+        self.framing = framing
+        self.protocol = protocol
+        self.max_reply_size = max_reply_size
+        # Replies whose frame is larger than this stream (0 = never); unframed ones never do.
+        self.stream_threshold = stream_threshold if framing is not Framing.BUFFERED else 0
+        self._probe: bytes | None = None   # first bytes of a reply, while deciding whether to stream
+        self._stream_left = 0              # bytes of a streaming reply still to pass on
 
     # -- asyncio.Protocol -----------------------------------------------------
 
@@ -71,8 +137,17 @@ class UpstreamConnection(asyncio.Protocol):
             log.info("upstream %s sent %d bytes while idle; closing that connection", self.label, len(data))
             self._discard()
             return
+        if self._stream_left:
+            self._stream_chunk(ex, data)
+            return
         if not ex.t_first_reply:
             ex.t_first_reply = monotonic_ns()
+            if self.stream_threshold:
+                self._probe = b""
+        if self._probe is not None:
+            data = self._probe_stream(ex, data)
+            if data is None:
+                return
         dec = self.decoder
         dec.feed(data)
         try:
@@ -99,6 +174,73 @@ class UpstreamConnection(asyncio.Protocol):
             self.pool.release(self)
         ex.on_reply(reply)
 
+    # -- streaming a large reply -------------------------------------------------------
+
+    def _probe_stream(self, ex: Exchange, data: bytes):
+        """Decide from a reply's first bytes whether it streams. Returns the bytes to decode
+        normally, or None (kept for later, or now streaming)."""
+        buf = self._probe + data if self._probe else data
+        if len(buf) < 4:
+            self._probe = buf
+            return None
+        length = _I32.unpack_from(buf, 0)[0]
+        total = 4 + length
+        if length <= self.stream_threshold or length > self.max_reply_size or total <= len(buf):
+            self._probe = None
+            return buf
+        try:
+            head = stream_head(buf, self.framing, self.protocol, total)
+        except ProtocolError:
+            head = None
+            if len(buf) >= PROBE_MAX:
+                self._probe = None
+                return buf  # the decoder reports the garbage properly
+        if head is None:
+            if len(buf) < PROBE_MAX:
+                self._probe = buf
+                return None
+            self._probe = None
+            return buf
+        self._probe = None
+        if head.seqid != ex.seqid:
+            self._fail(UpstreamError(
+                f"bad reply from {self.label}: seqid {head.seqid} does not match the request's {ex.seqid}",
+                written=True))
+            return None
+        if head.type != MessageType.REPLY and head.type != MessageType.EXCEPTION:
+            self._fail(UpstreamError(f"bad reply from {self.label}: message type {head.type}", written=True))
+            return None
+        if not ex.start_stream(head):
+            return buf  # read it whole after all
+        self._stream_left = total
+        self._stream_chunk(ex, buf)
+        return None
+
+    def _stream_chunk(self, ex: Exchange, data: bytes) -> None:
+        left = self._stream_left
+        n = len(data)
+        if n < left:
+            self._stream_left = left - n
+            ex.stream_data(data)
+            return
+        self._stream_left = 0
+        self.exchange_ = None
+        ex.stream_data(data if n == left else memoryview(data)[:left])
+        if n > left:
+            log.info("upstream %s sent bytes past its reply; closing that connection", self.label)
+            self._discard()
+        else:
+            self.pool.release(self)
+        ex.stream_end()
+
+    def pause_reading(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+
     def eof_received(self) -> bool:
         return False
 
@@ -118,6 +260,7 @@ class UpstreamConnection(asyncio.Protocol):
     def exchange(self, ex: Exchange | None, data) -> None:
         """Write a request. With `ex` None (oneway) the connection is free again at once."""
         self.exchange_ = ex
+        self._probe = None
         self.transport.write(data)
         if ex is None:
             self.pool.release(self)

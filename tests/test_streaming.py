@@ -1,0 +1,193 @@
+"""Large replies stream through the proxy: bounded memory, backpressure, order, failure mid-stream."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from harness import Proxy, ProxyProcess, ThriftServer, client, config_text, free_port, read_messages, request_bytes
+from proxy.codec import MessageType
+
+
+def _big_config(upstream: str, port: int = 0, extra_cluster: str = "") -> str:
+    return config_text([upstream], listen_port=port).replace(
+        "    protocol: binary\n    routes", "    protocol: binary\n    max_frame_size: 300MiB\n    routes").replace(
+        "    load_balancer", f"    max_reply_size: 300MiB{extra_cluster}\n    load_balancer")
+
+
+def test_large_replies_stream_and_arrive_intact():
+    up = ThriftServer()
+    try:
+        with Proxy(_big_config(up.address)) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            with client(p.port()) as c:
+                small = os.urandom(100_000)
+                assert c.echo(small) == small
+                for size in (1_500_000, 10_000_000):
+                    big = os.urandom(size)
+                    assert c.echo(big) == big
+            time.sleep(0.2)
+    finally:
+        up.stop()
+    streamed = {call.reply_size: call.streamed for call in done if call.msg.name == "echo"}
+    assert streamed[100_028] is False
+    assert streamed[1_500_028] is True and streamed[10_000_028] is True
+
+
+def test_reply_behind_a_pending_call_is_buffered_in_order():
+    up = ThriftServer()
+    try:
+        with Proxy(_big_config(up.address)) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(request_bytes("framed", "binary", "sleep", 200, seqid=1)
+                          + request_bytes("framed", "binary", "echo", b"z" * 3_000_000, seqid=2))
+                first, second = read_messages(s, 2)
+            assert (first.seqid, second.seqid) == (1, 2)
+            assert second.type == MessageType.REPLY and len(second.data) == 3_000_028
+    finally:
+        up.stop()
+
+
+class RawBigUpstream:
+    """A raw upstream answering any framed binary call with a reply carrying `size` bytes."""
+
+    def __init__(self, size: int, die_after: int | None = None) -> None:
+        self.size = size
+        self.die_after = die_after
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(c,), daemon=True).start()
+
+    def _one(self, c: socket.socket) -> None:
+        with c:
+            while True:
+                hdr = c.recv(4, socket.MSG_WAITALL)
+                if len(hdr) < 4:
+                    return
+                n = struct.unpack("!i", hdr)[0]
+                req = c.recv(n, socket.MSG_WAITALL)
+                nlen = struct.unpack("!i", req[4:8])[0]
+                name = req[8:8 + nlen]
+                seqid = req[8 + nlen:12 + nlen]
+                head = struct.pack("!I", 0x80010002) + struct.pack("!i", len(name)) + name + seqid
+                size = 10 if name == b"ping" else self.size
+                field = bytes((11,)) + struct.pack("!h", 0) + struct.pack("!i", size)
+                body_len = len(head) + len(field) + size + 1
+                c.sendall(struct.pack("!i", body_len) + head + field)
+                chunk = b"\xab" * (1 << 20)
+                left = size
+                sent = 0
+                while left:
+                    part = chunk[:min(left, len(chunk))]
+                    c.sendall(part)
+                    left -= len(part)
+                    sent += len(part)
+                    if self.die_after is not None and sent >= self.die_after:
+                        c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        return  # reset mid-reply
+                c.sendall(b"\x00")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _rss_kb(pid: int, key: str) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith(key):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def test_slow_reader_of_a_streamed_reply_pauses_the_upstream():
+    """The kernel absorbs a few MB; past that, the client's pace must hold the upstream back."""
+    size = 24_000_000
+    up = RawBigUpstream(size)
+    try:
+        with Proxy(_big_config(f"127.0.0.1:{up.port}")) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+                s.sendall(request_bytes("framed", "binary", "echo", b"", seqid=3))
+                got = 0
+                while got < size:
+                    chunk = s.recv(256 * 1024)
+                    assert chunk
+                    got += len(chunk)
+                    time.sleep(0.002)
+            time.sleep(0.3)
+    finally:
+        up.close()
+    (call,) = [c for c in done if c.msg.name == "echo"]
+    assert call.streamed
+    assert call.client_paused_ns > 100e6  # the client held the stream back
+    assert call.client_paused_ns > call.upstream_wait_ns
+    assert call.t_acked - call.t_write > 0.5 * (call.t_acked - call.t_start)  # write_response dominates
+
+
+@pytest.mark.slow
+def test_256_mib_reply_streams_with_bounded_memory():
+    size = 256 * 1024 * 1024
+    up = RawBigUpstream(size)
+    port = free_port()
+    try:
+        with ProxyProcess(_big_config(f"127.0.0.1:{up.port}", port), [port]) as p:
+            with socket.create_connection(("127.0.0.1", port)) as s:  # warm up: pools, imports
+                s.sendall(request_bytes("framed", "binary", "ping", seqid=1))
+                read_messages(s, 1)
+            base = _rss_kb(p.proc.pid, "VmRSS:")
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(request_bytes("framed", "binary", "echo", b"", seqid=2))
+                s.settimeout(60)
+                got = 0
+                total = None
+                while total is None or got < total:
+                    chunk = s.recv(1 << 20)
+                    assert chunk, f"closed after {got} bytes"
+                    got += len(chunk)
+                    if total is None and got >= 4:
+                        total = 4 + size + 0  # at least the payload
+                assert got >= size
+            peak = _rss_kb(p.proc.pid, "VmHWM:")
+    finally:
+        up.close()
+    growth_mib = (peak - base) / 1024
+    print(f"256 MiB reply: proxy RSS {base / 1024:.1f} MiB before, peak {peak / 1024:.1f} MiB "
+          f"(+{growth_mib:.1f} MiB)")
+    assert growth_mib <= 32, f"peak RSS grew by {growth_mib:.1f} MiB"
+
+
+def test_upstream_reset_mid_stream_closes_only_that_client():
+    up = RawBigUpstream(8_000_000, die_after=3_000_000)
+    try:
+        with Proxy(_big_config(f"127.0.0.1:{up.port}")) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(request_bytes("framed", "binary", "echo", b"", seqid=5))
+                s.settimeout(10)
+                got = 0
+                while True:
+                    chunk = s.recv(1 << 20)
+                    if not chunk:
+                        break
+                    got += len(chunk)
+                assert 0 < got < 8_000_000  # part of it came, then the connection closed
+            stats = p.server.listeners["test"].pipeline.stats
+            assert stats["errors"] >= 1
+    finally:
+        up.close()
