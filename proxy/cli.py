@@ -1,4 +1,4 @@
-"""Command line: `thrift-sidecar run|check-config|demo|hops` (argparse, the standard library's).
+"""Command line: `thrift-sidecar run|check-config|demo|hops|demo-upstream|demo-client` (argparse, the standard library's).
 
 Parsing only; each command calls into the module that owns the work.
 """
@@ -28,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="also export the spans there, e.g. http://127.0.0.1:4317 (or set "
                            "THRIFT_SIDECAR_DEMO_OTLP)")
     demo.add_argument("--otlp-protocol", choices=("grpc", "http"), default="grpc")
-    demo.add_argument("--png", action="store_true", help="also screenshot the waterfall (needs chromium)")
+    demo.add_argument("--png", action=argparse.BooleanOptionalAction, default=None,
+                      help="also screenshot the waterfall as PNG (default: when chromium is installed)")
 
     up = sub.add_parser("demo-upstream", help="serve the demo's UserService until SIGTERM")
     up.add_argument("--host", default="0.0.0.0", help="address to listen on (0.0.0.0: every interface)")
@@ -36,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--framing", choices=("framed", "buffered", "header"), default="framed")
     up.add_argument("--protocol", choices=("binary", "compact"), default="binary")
     up.add_argument("--fail-every", type=int, default=0, metavar="N",
-                    help="answer every Nth get_users with the declared Unavailable exception")
+                    help="answer 1 get_users in N with the declared Unavailable exception")
 
     client = sub.add_parser("demo-client", help="make a mix of UserService calls (with --forever until SIGTERM)")
     client.add_argument("--target", required=True, metavar="HOST:PORT", help="the sidecar's listener")

@@ -14,6 +14,7 @@ client connection has been open for `DRAIN_GRACE` seconds, or at
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import random
 import signal
@@ -421,6 +422,7 @@ async def serve(config: cfgmod.Config, path: str | None = None) -> int:
     loop = asyncio.get_running_loop()
     server = Server(config, loop, path=path)
     await server.start()
+    gc.freeze()  # start-up objects out of the collector's way: no 20-40 ms full collections on the loop
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.request_stop)
     loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(server.reload()))

@@ -66,3 +66,14 @@ def test_python_dash_m_and_console_script_agree():
     if exe.exists():
         r2 = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=30)
         assert r2.stdout.replace("thrift-sidecar", "X") == r1.stdout.replace("thrift-sidecar", "X")
+
+
+def test_readme_documents_every_span_attribute_key():
+    from proxy import spans
+
+    readme = (ROOT / "README.md").read_text()
+    keys = [v for k, v in vars(spans).items() if k.isupper() and isinstance(v, str)
+            and v[:1].isalpha() and "." in v and not v.startswith("http")]
+    missing = [k for k in keys if f"`{k}`" not in readme and f"`{k}," not in readme and f" `{k}`" not in readme]
+    assert keys and not missing, missing
+    assert spans.SEMCONV_VERSION in readme
