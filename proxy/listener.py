@@ -362,6 +362,11 @@ class ClientConnection(asyncio.Protocol):
         self.state.stats["protocol_errors"] += 1
         dec = self.decoder
         head = e.head
+        if head is None:
+            try:
+                head = dec.pending_head()  # a started request: answer with its seqid and name
+            except Exception:  # noqa: BLE001 - best effort only
+                head = None
         if head is None and dec.framing is not None and dec.protocol is not None:
             head = Head("", MessageType.CALL, 0, dec.framing, dec.protocol)
         log.info("client %s on listener %s: %s", self.peer, self.state.settings.name, e.message)

@@ -11,7 +11,12 @@ and then kept for the connection.
 
 `max_frame_size` counts the whole frame after its length prefix and is checked
 from the prefix, before anything is buffered. An unframed message longer than
-it is refused as soon as the scan passes it.
+it is refused as soon as the scan passes it (or a string's length says it will);
+nothing past the limit is looked at, so what is refused, and why, never depends
+on how the bytes were cut into reads (tests/test_codec_fuzz.py).
+
+`pending_head()` reads the head of a message still arriving, to answer one that
+never completes (request_read_timeout, EOF) with the client's seqid.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ from proxy.codec.wire import (
     COMPACT_VERSION,
     COMPACT_VERSION_MASK,
     DEFAULT_MAX_FRAME_SIZE,
+    THEADER_FIXED_SIZE,
     THEADER_MAGIC,
     Framing,
+    MessageType,
     Protocol,
 )
 
@@ -43,8 +50,10 @@ _COMPACT_AT = 64 * 1024
 class Decoder:
     """Turns a byte stream into Messages.
 
-    framing/protocol None = detect from the first message. `scanner_factory`
-    builds the unframed-message scanner (pure Python by default).
+    framing/protocol None = detect from the first message. Framing HEADER also
+    accepts THeader nested in a framed frame (config says just "header"): the
+    first message decides, and `framing` becomes FRAMED_HEADER if so.
+    `scanner_factory` builds the unframed-message scanner (pure Python by default).
     """
 
     def __init__(self, framing: Framing | None = None, protocol: Protocol | None = None,
@@ -59,6 +68,7 @@ class Decoder:
         self._scanner = None               # StructScanner of the unframed message in progress
         self._head = None                  # its head (name, type, seqid, body)
         self.examined = 0                  # bytes looked at by unframed scans (tests bound it)
+        self._nesting_open = framing is Framing.HEADER  # HEADER or FRAMED_HEADER: not yet known
 
     # -- input ----------------------------------------------------------------
 
@@ -88,7 +98,48 @@ class Decoder:
         """The peer closed its side: raise if a message was left half-sent."""
         n = self.buffered
         if n:
-            raise ProtocolError(f"bad request: connection closed inside a message ({n} bytes unframed)")
+            raise ProtocolError(f"bad request: connection closed inside a message ({n} bytes unframed)",
+                                head=self.pending_head())
+
+    def pending_head(self) -> Head | None:
+        """The head of the message still arriving, if its bytes are here (None otherwise).
+
+        For answering a message that never completes (a read timeout, EOF) with the
+        client's seqid. Changes nothing: the message is still read as usual.
+        """
+        if self._whole is not None:
+            buf, off = self._whole, 0
+        else:
+            buf, off = self._buf, self._off
+        end = len(buf)
+        if end - off < 2:
+            return None
+        framing = self.framing
+        if framing is Framing.BUFFERED and self._head is not None:
+            name, mtype, seqid, _ = self._head
+            return Head(name, mtype, seqid, framing, self.protocol)
+        b0, b1 = buf[off], buf[off + 1]
+        unframed = (b0 == 0x80 and b1 == 0x01) or (
+            b0 == COMPACT_PROTOCOL_ID and (b1 & COMPACT_VERSION_MASK) == COMPACT_VERSION)
+        if framing is Framing.BUFFERED or (framing is None and unframed):
+            protocol = self.protocol or (_sniff_protocol(buf, off) if unframed else None)
+            if protocol is None:
+                return None
+            try:
+                r = read_head(buf, off, end, protocol)
+            except ProtocolError:
+                return None
+            return None if r is None else Head(r[0], r[1], r[2], Framing.BUFFERED, protocol)
+        if end - off < 6:
+            return None
+        if framing is None or (framing is Framing.HEADER and self._nesting_open):
+            if _U16.unpack_from(buf, off + 4)[0] == THEADER_MAGIC:
+                framing = Framing.HEADER
+            elif end - off >= 10 and _U16.unpack_from(buf, off + 8)[0] == THEADER_MAGIC:
+                framing = Framing.FRAMED_HEADER
+            elif framing is None:
+                framing = Framing.FRAMED
+        return self._peek_head(buf, off + 4, end, framing)
 
     # -- output ---------------------------------------------------------------
 
@@ -97,9 +148,11 @@ class Decoder:
         whole = self._whole
         if whole is not None:
             framing = self.framing
-            if framing is Framing.FRAMED or framing is Framing.HEADER:
+            if self._nesting_open and len(whole) >= 6 and _U16.unpack_from(whole, 4)[0] == THEADER_MAGIC:
+                self._nesting_open = False  # plain THeader (what _detect_nesting would decide)
+            if framing is Framing.FRAMED or (framing is Framing.HEADER and not self._nesting_open):
                 n = len(whole)
-                if n >= 4 and _I32.unpack_from(whole, 0)[0] == n - 4:
+                if n > 4 and n - 4 <= self.max_frame_size and _I32.unpack_from(whole, 0)[0] == n - 4:
                     # Fast path: the read was exactly one frame; keep the object as is.
                     self._whole = None
                     return self._framed(whole, 0, n, framing)
@@ -113,6 +166,9 @@ class Decoder:
         if self.framing is None:
             if not self._detect(buf, off, end):
                 return None
+        elif self._nesting_open:
+            if not self._detect_nesting(buf, off, end):
+                return None
         framing = self.framing
         if framing is Framing.BUFFERED:
             msg = self._unframed(buf, off, end)
@@ -124,7 +180,7 @@ class Decoder:
             if end - off - 4 < length:
                 return None
             stop = off + 4 + length
-            data = bytes(buf[off:stop])
+            data = _copy(buf, off, stop)
             self._consume(stop)
             msg = self._framed(data, 0, len(data), framing)
         return msg
@@ -179,6 +235,25 @@ class Decoder:
         raise ProtocolError("bad request: cannot detect framing and protocol from the first bytes "
                             f"({bytes(buf[off:off + 10]).hex()})")
 
+    def _detect_nesting(self, buf, off: int, end: int) -> bool:
+        """Configured HEADER: is the THeader frame plain or nested in a framed frame? False = need more."""
+        if end - off < 4:
+            return False
+        length = _I32.unpack_from(buf, off)[0]
+        if not 0 < length <= self.max_frame_size:
+            self._nesting_open = False  # refused from the prefix alone (_check_length)
+            return True
+        if end - off < 6:
+            return False
+        if _U16.unpack_from(buf, off + 4)[0] != THEADER_MAGIC:
+            if end - off < 10:
+                return False
+            if (_U16.unpack_from(buf, off + 8)[0] == THEADER_MAGIC
+                    and _I32.unpack_from(buf, off + 4)[0] == length - 4):
+                self.framing = Framing.FRAMED_HEADER
+        self._nesting_open = False
+        return True
+
     def _set(self, framing: Framing, protocol: Protocol | None) -> None:
         self.framing = framing
         if self.protocol is None and protocol is not None:
@@ -196,11 +271,16 @@ class Decoder:
             f"bad request: frame of {length} bytes exceeds max_frame_size {self.max_frame_size}",
             head=head)
 
-    def _peek_head(self, buf, start: int, end: int) -> Head | None:
-        """Best effort: the head of a message we refuse, to address the error reply."""
+    def _peek_head(self, buf, start: int, end: int, framing: Framing | None = None) -> Head | None:
+        """Best effort: the head of a message we refuse, to address the error reply.
+
+        start: where the frame's content begins (past the length prefix if framed).
+        """
         protocol = self.protocol
-        framing = self.framing or Framing.FRAMED
-        if framing.is_header or protocol is None:
+        framing = framing or self.framing or Framing.FRAMED
+        if framing.is_header:
+            return self._peek_header_head(buf, start, end, framing)
+        if protocol is None:
             if end - start >= 2 and buf[start] == COMPACT_PROTOCOL_ID:
                 protocol = Protocol.COMPACT
             elif end - start >= 2 and buf[start] == 0x80:
@@ -214,6 +294,39 @@ class Decoder:
         if r is None:
             return None
         return Head(r[0], r[1], r[2], framing, protocol)
+
+    def _peek_header_head(self, buf, start: int, end: int, framing: Framing) -> Head | None:
+        """The head inside a THeader frame we refuse; at least its seqid when the fixed part is here.
+
+        A THeader reply names its own protocol, so a guessed one still reaches the client.
+        """
+        if framing is Framing.FRAMED_HEADER:
+            start += 4
+        if end - start < THEADER_FIXED_SIZE or _U16.unpack_from(buf, start)[0] != THEADER_MAGIC:
+            return None
+        seqid = _I32.unpack_from(buf, start + 4)[0]
+        protocol = self.protocol or Protocol.BINARY
+        fallback = Head("", MessageType.CALL, seqid, framing, protocol)
+        try:
+            block, payload = parse_header_block(buf, start, end, framing)
+            protocol = self._header_protocol(block.protocol)
+            fallback = Head("", MessageType.CALL, seqid, framing, protocol)
+            readable, pos, stop = buf, payload, end
+            if block.transforms:
+                readable = inflate(memoryview(buf)[payload:end], block.transforms, INFLATE_PREFIX)
+                pos, stop = 0, len(readable)
+            r = read_head(readable, pos, stop, protocol)
+        except ProtocolError:
+            return fallback
+        if r is None:
+            return fallback
+        return Head(r[0], r[1], r[2], framing, protocol)
+
+    def _header_protocol(self, protocol: Protocol) -> Protocol:
+        """The protocol to read a THeader payload with: non-strict binary if so configured."""
+        if self.protocol is Protocol.BINARY_NONSTRICT and protocol is Protocol.BINARY:
+            return Protocol.BINARY_NONSTRICT
+        return protocol
 
     def _framed(self, data, off: int, end: int, framing: Framing) -> Message:
         """A complete frame data[off:end] (length prefix included)."""
@@ -234,29 +347,24 @@ class Decoder:
             raise ProtocolError(
                 f"bad request: THeader protocol {protocol.value} but {self.protocol.value} is configured",
                 head=Head("", 1, block.seqid, framing, protocol))
-        if self.protocol is Protocol.BINARY_NONSTRICT:
-            protocol = Protocol.BINARY_NONSTRICT
-        if block.transforms:
-            readable = inflate(memoryview(data)[payload:end], block.transforms, INFLATE_PREFIX)
-            msg = self._message(readable, 0, len(readable), framing, protocol, block, data, payload,
-                                prefix_only=True)
-        else:
-            msg = self._message(data, payload, end, framing, protocol, block, data, payload)
-        return msg
+        protocol = self._header_protocol(protocol)
+        try:
+            if block.transforms:
+                readable = inflate(memoryview(data)[payload:end], block.transforms, INFLATE_PREFIX)
+                return self._message(readable, 0, len(readable), framing, protocol, block, data, payload,
+                                     prefix_only=True)
+            return self._message(data, payload, end, framing, protocol, block, data, payload)
+        except ProtocolError as e:
+            # The payload is unreadable, but the THeader seqid still addresses a reply.
+            raise e.with_head(Head("", MessageType.CALL, block.seqid, framing, protocol))
 
     def _frame_protocol(self, data, start: int, end: int) -> Protocol:
         protocol = self.protocol
         if protocol is not None:
             return protocol
-        if end - start >= 2:
-            b0, b1 = data[start], data[start + 1]
-            if b0 == 0x80 and b1 == 0x01:
-                protocol = Protocol.BINARY
-            elif b0 == COMPACT_PROTOCOL_ID and (b1 & COMPACT_VERSION_MASK) == COMPACT_VERSION:
-                protocol = Protocol.COMPACT
-        if protocol is None:
-            raise ProtocolError(f"bad request: cannot detect the protocol ({bytes(data[start:start + 4]).hex()})")
-        self.protocol = protocol
+        if end - start < 2:
+            raise ProtocolError(f"bad request: cannot detect the protocol ({bytes(data[start:end]).hex()})")
+        protocol = self.protocol = _sniff_protocol(data, start)
         return protocol
 
     def _message(self, readable, start: int, end: int, framing: Framing, protocol: Protocol,
@@ -279,13 +387,19 @@ class Decoder:
 
     def _unframed(self, buf, off: int, end: int) -> Message | None:
         protocol = self.protocol
-        if protocol is None:
-            raise AssertionError("unframed decoding needs a protocol")  # _detect sets it
+        if protocol is None:  # framing configured as buffered, protocol left to detection
+            if end - off < 2:
+                return None
+            protocol = self.protocol = _sniff_protocol(buf, off)
+        # Nothing past `limit` is ever looked at: a message that does not end by then is
+        # refused, and what lies beyond cannot change that (nor, so, depend on read sizes).
+        limit = off + self.max_frame_size
+        scan_end = end if end < limit else limit
         head = self._head
         if head is None:
-            r = read_head(buf, off, end, protocol)
+            r = read_head(buf, off, scan_end, protocol)
             if r is None:
-                if end - off > self.max_frame_size:
+                if end >= limit:
                     raise ProtocolError(
                         f"bad request: message exceeds max_frame_size {self.max_frame_size}")
                 return None
@@ -294,14 +408,15 @@ class Decoder:
             self._scanner = self._scanner_factory(protocol is Protocol.COMPACT, body)
         scanner = self._scanner
         try:
-            done = scanner.advance(buf, end)
+            done = scanner.advance(buf, scan_end)
         except ProtocolError as e:
             raise e.with_head(Head(head[0], head[1], head[2], Framing.BUFFERED, protocol))
         finally:
             self.examined += scanner.examined
             scanner.examined = 0
         if not done:
-            if scanner.pos - off > self.max_frame_size:
+            # reach: where the scan is sure to get (a string being skipped ends there).
+            if end >= limit or scanner.reach > limit:
                 raise ProtocolError(
                     f"bad request: message exceeds max_frame_size {self.max_frame_size}",
                     head=Head(head[0], head[1], head[2], Framing.BUFFERED, protocol))
@@ -312,11 +427,24 @@ class Decoder:
                 self._off = 0
             return None
         stop = scanner.pos
-        if stop - off > self.max_frame_size:
-            raise ProtocolError(f"bad request: message exceeds max_frame_size {self.max_frame_size}",
-                                head=Head(head[0], head[1], head[2], Framing.BUFFERED, protocol))
-        data = bytes(buf[off:stop])
+        data = _copy(buf, off, stop)
         self._consume(stop)
         self._head = None
         self._scanner = None
         return Message(head[0], head[1], head[2], Framing.BUFFERED, protocol, data, 0, None, data, head[3])
+
+
+def _copy(buf: bytearray, start: int, stop: int) -> bytes:
+    """buf[start:stop] as bytes in one copy (slicing the bytearray first would copy twice)."""
+    with memoryview(buf) as view:
+        return bytes(view[start:stop])
+
+
+def _sniff_protocol(buf, pos: int) -> Protocol:
+    """The protocol of a message starting at buf[pos] (two bytes needed). Never non-strict binary."""
+    b0, b1 = buf[pos], buf[pos + 1]
+    if b0 == 0x80 and b1 == 0x01:
+        return Protocol.BINARY
+    if b0 == COMPACT_PROTOCOL_ID and (b1 & COMPACT_VERSION_MASK) == COMPACT_VERSION:
+        return Protocol.COMPACT
+    raise ProtocolError(f"bad request: cannot detect the protocol ({bytes(buf[pos:pos + 2]).hex()})")

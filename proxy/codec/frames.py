@@ -11,7 +11,7 @@ from proxy.codec.errors import Head
 from proxy.codec.heads import encode_application_exception
 from proxy.codec.message import Message
 from proxy.codec.theader import HeaderBlock, encode_header_block, encode_header_frame
-from proxy.codec.wire import AppErrorType, Framing, Protocol
+from proxy.codec.wire import DEFAULT_MAX_FRAME_SIZE, AppErrorType, Framing, Protocol
 
 _I32 = struct.Struct("!i")
 
@@ -31,20 +31,26 @@ def frame_payload(payload, framing: Framing, protocol: Protocol, seqid: int,
 
 
 def reframe(msg: Message, framing: Framing, headers: dict[str, str] | None = None,
-            max_size: int = 1 << 31) -> bytes:
+            max_size: int = DEFAULT_MAX_FRAME_SIZE) -> bytes:
     """`msg` in `framing`: its own bytes when nothing changes, else re-framed.
 
     `headers` (THeader targets only) replaces the info headers; for a THeader
     source the header block is re-encoded around the untouched (maybe deflated)
-    payload.
+    payload. Leaving THeader inflates a zlib payload: ProtocolError if it does not
+    inflate or inflates past `max_size`.
     """
     src = msg.framing
     if src is framing and (headers is None or not framing.is_header):
         return msg.data
     if src.is_header and framing.is_header:
+        if headers is None:
+            # Only the outer prefix changes: the block (unknown info types, padding) stays as sent.
+            if framing is Framing.FRAMED_HEADER:
+                return _I32.pack(len(msg.data)) + bytes(msg.data)
+            return bytes(memoryview(msg.data)[4:])
         block = msg.header
         assert block is not None
-        head = encode_header_block(block, block.headers if headers is None else headers)
+        head = encode_header_block(block, headers)
         payload = memoryview(msg.data)[msg.start:]
         frame = _I32.pack(len(head) + len(payload)) + head + bytes(payload)
         if framing is Framing.FRAMED_HEADER:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from proxy.codec.errors import Head
 from proxy.codec.heads import peek_result_field
 from proxy.codec.theader import HeaderBlock, inflate_all
-from proxy.codec.wire import Framing, MessageType, Protocol
+from proxy.codec.wire import DEFAULT_MAX_FRAME_SIZE, Framing, MessageType, Protocol
 
 
 class Message:
@@ -61,8 +61,12 @@ class Message:
     def oneway(self) -> bool:
         return self.type == MessageType.ONEWAY
 
-    def payload(self, max_size: int = 1 << 31):
-        """The plain protocol message (inflated if the THeader payload is deflated)."""
+    def payload(self, max_size: int = DEFAULT_MAX_FRAME_SIZE):
+        """The plain protocol message (inflated if the THeader payload is deflated).
+
+        A deflated payload inflating past max_size is refused (ProtocolError): a
+        16 MB frame of zlib can otherwise claim gigabytes (Apache Thrift bounds it too).
+        """
         if self.header is not None and self.header.transforms:
             return inflate_all(memoryview(self.data)[self.start:], self.header.transforms, max_size)
         if self.start == 0:

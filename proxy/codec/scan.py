@@ -13,7 +13,8 @@ and varints (a few bytes) are ever re-read after a short read. `examined`
 counts every byte looked at, re-reads included (tests bound it).
 
 This is the pure-Python scanner; a compiled one may replace it behind the same
-`advance` interface (see `proxy.codec.scanner_class`).
+interface (`Decoder(scanner_factory=...)`): `cls(compact, pos)`, `advance(buf, end)`,
+`pos`, `reach` and `examined`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,14 @@ class StructScanner:
         self._pending = -1   # type of the next value to read, -1 = none
         self._skip = 0       # bytes of the current value still to pass over
         self._max_depth = max_depth
+
+    @property
+    def reach(self) -> int:
+        """The offset the scan is sure to pass (further than `pos` while a string is skipped).
+
+        The decoder refuses a message as too long as soon as this passes its limit.
+        """
+        return self.pos + self._skip
 
     def advance(self, buf, end: int) -> bool:
         """Scan buf[pos:end]. True when the struct is complete; False = need more bytes."""

@@ -120,23 +120,33 @@ def inflate(payload, transforms: tuple[int, ...], limit: int) -> bytes:
     """Undo the payload's transforms (zlib), producing at most `limit` bytes.
 
     With a limit below the full size this is a prefix: enough to read a head.
+    The payload may be cut short (a frame still arriving): what inflates is returned.
     """
-    data = bytes(payload)
+    data = payload
     for t in reversed(transforms):
         if t == THEADER_TRANSFORM_ZLIB:
             try:
-                d = zlib.decompressobj()
-                data = d.decompress(data, limit)
+                data = zlib.decompressobj().decompress(data, limit)
             except zlib.error as e:
                 raise ProtocolError(f"bad request: zlib payload does not inflate: {e}") from None
-    return data
+    return bytes(data)
 
 
 def inflate_all(payload, transforms: tuple[int, ...], max_size: int) -> bytes:
-    data = inflate(payload, transforms, max_size + 1)
-    if len(data) > max_size:
-        raise ProtocolError(f"bad request: inflated payload exceeds {max_size} bytes")
-    return data
+    """The whole inflated payload; refused if larger than max_size or cut short."""
+    data = payload
+    for t in reversed(transforms):
+        if t == THEADER_TRANSFORM_ZLIB:
+            d = zlib.decompressobj()
+            try:
+                data = d.decompress(data, max_size + 1)
+            except zlib.error as e:
+                raise ProtocolError(f"bad request: zlib payload does not inflate: {e}") from None
+            if len(data) > max_size:
+                raise ProtocolError(f"bad request: inflated payload exceeds {max_size} bytes")
+            if not d.eof:
+                raise ProtocolError("bad request: zlib payload is truncated")
+    return bytes(data)
 
 
 def encode_header_block(block: HeaderBlock, headers: dict[str, str] | None = None) -> bytes:
