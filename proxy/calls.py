@@ -34,7 +34,7 @@ class Call:
                  "outcome", "attempt", "attempts", "written", "cancelled", "backoffs",
                  "t_start", "t_framed", "t_done", "t_write", "t_handed", "t_acked", "never_read",
                  "streamed", "client_paused_ns", "upstream_wait_ns", "reply_size", "loop_lag_ns",
-                 "trace", "timer", "deadline", "retry_timer", "holds_request", "result_field",
+                 "trace", "timer", "deadline", "retry_timer", "holds_request", "result_field", "waited",
                  "_request")
 
     def __init__(self, conn, msg, t_start: int, t_framed: int, pipeline=None) -> None:
@@ -71,6 +71,7 @@ class Call:
         self.retry_timer = None             # backoff before the next attempt
         self.holds_request = False          # counted in the cluster's max_requests
         self.result_field = None            # the reply's first result field id (outcome peek)
+        self.waited = False                 # its reply waited behind an earlier pipelined one (queued)
         self._request: dict = {}            # request bytes per upstream framing
 
     @property

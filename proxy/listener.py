@@ -4,6 +4,9 @@ One `ClientConnection` (an asyncio.Protocol) per accepted socket. Requests
 may be pipelined; replies go back in request order. Bounded in-flight per
 connection: reading pauses while `max_inflight` calls are open or while the
 client is not reading its replies (the transport asked us to pause writing).
+Requests past `max_inflight` wait, unframed, in the decoder. A client that
+reads no reply byte for `request_read_timeout` while its replies back up is
+closed (a write stall): what the proxy holds for it is bounded, then freed.
 
 Timers are `loop.call_at` handles, armed only when needed: the request read
 deadline once a request has started, the idle deadline when nothing is open.
@@ -51,6 +54,8 @@ class ListenerSettings:
     request_read_timeout: float = 30.0
     idle_timeout: float = 0.0
     max_inflight: int = 128        # open calls per client connection before reading pauses
+    # request_read_timeout also bounds a write stall: replies backed up (writing paused) and
+    # not one byte read by the client for that long closes the connection.
 
 
 class ListenerState:
@@ -62,7 +67,7 @@ class ListenerState:
         self.loop = loop
         self.connections: set[ClientConnection] = set()
         self.stats = {"accepted": 0, "refused": 0, "protocol_errors": 0, "read_timeouts": 0,
-                      "idle_closed": 0}
+                      "idle_closed": 0, "write_stalls": 0}
 
     def protocol_factory(self) -> "ClientConnection":
         return ClientConnection(self)
@@ -72,7 +77,8 @@ class ClientConnection(asyncio.Protocol):
     __slots__ = ("state", "transport", "decoder", "queue", "peer", "t_first",
                  "closing", "paused_reading", "paused_writing", "_read_timer", "_idle_timer",
                  "_last_active", "_linger", "fd", "bytes_out", "_unacked", "_ack_poll", "_ack_delay",
-                 "stream_call", "stream_up", "_paused_at")
+                 "stream_call", "stream_up", "_paused_at", "_framing", "_eof", "_stall_timer",
+                 "_stall_mark")
 
     def __init__(self, state: ListenerState) -> None:
         self.state = state
@@ -97,6 +103,10 @@ class ClientConnection(asyncio.Protocol):
         self.stream_call: Call | None = None   # the call whose reply is streaming now
         self.stream_up = None                  # its upstream connection (paused with us)
         self._paused_at = 0
+        self._framing = False                  # in _frame_requests (no nested framing)
+        self._eof = False                      # half-closed while requests wait in the decoder
+        self._stall_timer = None               # armed while writing is paused
+        self._stall_mark = 0                   # bytes the client had read when it was armed
 
     # -- asyncio.Protocol -----------------------------------------------------
 
@@ -129,8 +139,44 @@ class ClientConnection(asyncio.Protocol):
         if not dec.buffered:
             self.t_first = now
         dec.feed(data)
+        if self._idle_timer is not None:
+            self._last_active = now
+        self._frame_requests(now)
+
+    def _frame_requests(self, now: int) -> None:
+        """Hand whole requests to the pipeline while fewer than `max_inflight` calls are open;
+        the rest waits in the decoder, reading paused, until replies go out (_maybe_resume)."""
+        dec = self.decoder
         pipeline = self.state.pipeline  # the current config's (a reload swaps it)
-        while True:
+        limit = self.state.settings.max_inflight
+        self._framing = True
+        try:
+            self._frame_loop(dec, pipeline, limit, now)
+        finally:
+            self._framing = False
+        if self.closing:
+            return
+        if len(self.queue) >= limit:
+            if self._read_timer is not None:  # bytes we hold back are not the client's delay
+                self._read_timer.cancel()
+                self._read_timer = None
+            if not self.paused_reading:
+                self.paused_reading = True
+                self.transport.pause_reading()
+            return
+        if dec.buffered:
+            if self._read_timer is None:
+                self._arm_read_timer(self.t_first)
+        elif self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+        if self._eof:  # the client half-closed while requests waited: now handle its EOF
+            self._eof = False
+            if not self._half_closed():
+                self.transport.close()
+
+    def _frame_loop(self, dec, pipeline, limit: int, now: int) -> None:
+        while len(self.queue) < limit:
             try:
                 msg = dec.next_message()
             except ProtocolError as e:
@@ -148,21 +194,16 @@ class ClientConnection(asyncio.Protocol):
             pipeline.handle(self, msg, t_start, now)
             if self.closing:
                 return
-        if dec.buffered:
-            if self._read_timer is None:
-                self._arm_read_timer(self.t_first)
-        elif self._read_timer is not None:
-            self._read_timer.cancel()
-            self._read_timer = None
-        if self._idle_timer is not None:
-            self._last_active = now
-        if len(self.queue) >= self.state.settings.max_inflight and not self.paused_reading:
-            self.paused_reading = True
-            self.transport.pause_reading()
 
     def eof_received(self) -> bool:
         if self.closing:
             return False
+        if self.decoder.buffered and len(self.queue) >= self.state.settings.max_inflight:
+            self._eof = True  # whole requests wait in the decoder: answer them first
+            return True
+        return self._half_closed()
+
+    def _half_closed(self) -> bool:
         try:
             self.decoder.eof()
         except ProtocolError as e:
@@ -176,13 +217,21 @@ class ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.closing = True
         self.state.connections.discard(self)
-        for t in (self._read_timer, self._idle_timer, self._linger):
+        for t in (self._read_timer, self._idle_timer, self._linger, self._stall_timer):
             if t is not None:
                 t.cancel()
         for call in self.queue:
             if call.pipeline is not None:
                 call.pipeline.cancel(call)
         self.queue.clear()
+        up = self.stream_up
+        if up is not None:  # gone mid-stream: its upstream connection (maybe paused) goes too
+            call = self.stream_call
+            self.stream_call = self.stream_up = None
+            up.abandon()
+            a = call.attempt
+            if a is not None and not a.ended:
+                call.pipeline._stream_failed(a, "the client closed its connection")
         if self._ack_poll is not None:
             self._ack_poll.cancel()
             self._ack_poll = None
@@ -208,6 +257,29 @@ class ClientConnection(asyncio.Protocol):
         if not self.paused_reading and not self.closing:
             self.paused_reading = True
             self.transport.pause_reading()
+        if self._stall_timer is None and self.state.settings.request_read_timeout > 0:
+            self._stall_mark = self._client_read()
+            self._stall_timer = self.state.loop.call_later(self.state.settings.request_read_timeout,
+                                                           self._write_stall)
+
+    def _client_read(self) -> int:
+        """Reply bytes the client's kernel has taken (written, handed, and not left unsent)."""
+        return self.bytes_out - self.transport.get_write_buffer_size() - _unsent_bytes(self.fd)
+
+    def _write_stall(self) -> None:
+        self._stall_timer = None
+        if not self.paused_writing or self.transport is None or self.transport.is_closing():
+            return
+        read = self._client_read()
+        timeout = self.state.settings.request_read_timeout
+        if read != self._stall_mark:  # slow, but reading: look again later
+            self._stall_mark = read
+            self._stall_timer = self.state.loop.call_later(timeout, self._write_stall)
+            return
+        self.state.stats["write_stalls"] += 1
+        log.info("client %s on listener %s read no reply byte for %gs (%d bytes waiting): closing",
+                 self.peer, self.state.settings.name, timeout, self.transport.get_write_buffer_size())
+        self.transport.abort()
 
     def resume_writing(self) -> None:
         self.paused_writing = False
@@ -282,6 +354,7 @@ class ClientConnection(asyncio.Protocol):
         if not q or q[0] is not call:
             if call.cancelled or self.transport is None:
                 return
+            call.waited = True
             return  # an earlier call is still open: this reply waits its turn (the `queued` hop)
         write = self.transport.write
         unacked = self._unacked
@@ -309,6 +382,11 @@ class ClientConnection(asyncio.Protocol):
                 and len(self.queue) < self.state.settings.max_inflight):
             self.paused_reading = False
             self.transport.resume_reading()
+            if self.decoder.buffered and not self._framing:  # requests held back at max_inflight
+                now = monotonic_ns()
+                if self._read_timer is None:
+                    self.t_first = now  # held by us, not late: its read deadline starts now
+                self._frame_requests(now)
 
     # -- the write_response hop: until the client acknowledged every byte -------------
 

@@ -27,7 +27,7 @@ Span tree (DESIGN.md "Spans"; a hop whose timestamps are 0 has no span):
      │   ├─ service_time         t_written → t_first_reply (a failed attempt: → t_reply)
      │   └─ read_response        t_first_reply → t_reply
      ├─ backoff                  call.backoffs
-     ├─ queued                   t_done → t_write, when longer than QUEUED_MIN_NS
+     ├─ queued                   t_done → t_write, when the reply waited behind an earlier one
      └─ write_response           t_write → t_acked (else t_handed); handed_ms, client_never_read
 
 Every exported span carries the sampled trace flag, also for slow/failed calls that were not
@@ -273,7 +273,7 @@ class Telemetry:
             if b0 and b1 >= b0:
                 out.append(self._span(spans.BACKOFF, context(new_id(ids)), server_ctx, INTERNAL, b0, b1))
         t_done, t_write = call.t_done, call.t_write
-        if t_done and t_write - t_done > QUEUED_MIN_NS:
+        if t_done and t_write > t_done and call.waited:
             out.append(self._span(spans.QUEUED, context(new_id(ids)), server_ctx, INTERNAL, t_done, t_write))
         t_acked, t_handed = call.t_acked, call.t_handed
         w0 = t_write or (t_done if t_handed else 0)

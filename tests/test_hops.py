@@ -106,6 +106,7 @@ def build(i: int, *, method: str = "get_user", read_request: float = 0.1, attemp
     else:
         c.t_done = a.t_reply + ms(0.02)
         c.t_write = c.t_done + ms(queued or 0.005)
+        c.waited = bool(queued)
         c.t_handed = c.t_write + ms(min(handed, write_response))
         c.t_acked = c.t_write + ms(write_response)
     c.loop_lag_ns = ms(loop_lag)

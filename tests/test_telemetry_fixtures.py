@@ -133,6 +133,7 @@ def call_timeout() -> Call:
 def call_queued() -> Call:
     """Pipelined: this reply was ready 40 ms before the earlier call's reply let it go out."""
     c = call_success()
+    c.waited = True  # the listener marks a reply that waits behind an earlier one
     c.t_write = c.t_done + ms(40)
     c.t_handed = c.t_write + ms(0.01)
     c.t_acked = c.t_write + ms(0.3)
