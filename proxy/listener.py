@@ -17,7 +17,6 @@ the client can read the reply before the socket goes away.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from time import monotonic_ns
 from proxy.codec import Decoder, Framing, Head, MessageType, Protocol, ProtocolError, exception_reply
 from proxy.calls import Call
 from proxy.pipeline import PREFIX
-from proxy.sockets import set_nodelay
+from proxy.sockets import set_nodelay, unsent_bytes
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +33,6 @@ LINGER = 2.0  # seconds a closing connection keeps reading (and discarding) so i
 ACK_POLL_FIRST = 0.001  # then doubling, up to ACK_POLL_MAX, while a reply is not acknowledged
 ACK_POLL_MAX = 0.01
 ACK_CAP_NS = 60_000_000_000  # a client that has not acknowledged a reply after this never read it
-SIOCOUTQNSD = 0x894B  # Linux: bytes in a TCP socket's send queue not yet sent to the peer
-
-
-def _unsent_bytes(fd: int) -> int:
-    try:
-        return int.from_bytes(fcntl.ioctl(fd, SIOCOUTQNSD, b"\0\0\0\0"), "little", signed=True)
-    except OSError:
-        return 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,7 +255,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _client_read(self) -> int:
         """Reply bytes the client's kernel has taken (written, handed, and not left unsent)."""
-        return self.bytes_out - self.transport.get_write_buffer_size() - _unsent_bytes(self.fd)
+        return self.bytes_out - self.transport.get_write_buffer_size() - unsent_bytes(self.fd)
 
     def _write_stall(self) -> None:
         self._stall_timer = None
@@ -409,7 +400,7 @@ class ClientConnection(asyncio.Protocol):
         now = monotonic_ns()
         buffered = t.get_write_buffer_size()
         handed = self.bytes_out - buffered
-        acked = handed - _unsent_bytes(self.fd)
+        acked = handed - unsent_bytes(self.fd)
         for end, call in unacked:
             if call.t_handed == 0 and handed >= end:
                 call.t_handed = now

@@ -11,7 +11,6 @@ import fcntl
 import logging
 import resource
 import socket
-import termios
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +46,17 @@ def raise_nofile_limit() -> tuple[int, int]:
 
 
 _ZERO = b"\0\0\0\0"
+SIOCOUTQNSD = 0x894B  # Linux: bytes in a TCP socket's send queue not yet sent to the peer
 
 
-def unacked_bytes(fd: int) -> int:
-    """Bytes in a TCP socket's send queue not yet acknowledged by the peer (SIOCOUTQ).
+def unsent_bytes(fd: int) -> int:
+    """Bytes written to a TCP socket that the kernel has not yet sent (SIOCOUTQNSD).
 
-    0 means the peer's kernel acknowledged everything written so far.
+    0 means every byte left for the peer: on loopback, the client's kernel has them. We do not
+    wait for ACKs (SIOCOUTQ): clients delay their ACK (Linux delayed ACKs, up to ~40 ms),
+    which would pass for a slow reader, while a slow reader's full window keeps bytes unsent.
     """
     try:
-        return int.from_bytes(fcntl.ioctl(fd, termios.TIOCOUTQ, _ZERO), "little", signed=True)
+        return int.from_bytes(fcntl.ioctl(fd, SIOCOUTQNSD, _ZERO), "little", signed=True)
     except OSError:
         return 0
