@@ -27,12 +27,13 @@ import asyncio
 import logging
 import random
 from time import monotonic_ns
+from typing import Mapping
 
 from proxy import calls
 from proxy.breaker import classify_for_breaker
 from proxy.calls import Attempt, Call
 from proxy.codec.rename import strip_service
-from proxy.codec import AppErrorType, Message, MessageType, Protocol, exception_reply, reframe
+from proxy.codec import AppErrorType, Message, MessageType, Protocol, ProtocolError, exception_reply, reframe
 from proxy.retry import RetryPolicy
 from proxy.upstream import UpstreamError
 
@@ -54,7 +55,11 @@ class Pipeline:
     """The request path for one listener: router, clusters, resilience, the error rule."""
 
     def __init__(self, listener_name: str, router, oneway_methods: frozenset[str] = frozenset(),
-                 loop: asyncio.AbstractEventLoop | None = None, rng: random.Random | None = None) -> None:
+                 loop: asyncio.AbstractEventLoop | None = None, rng: random.Random | None = None,
+                 exception_ids: Mapping[str, Mapping[str, int]] | None = None) -> None:
+        """`exception_ids` (the listener's IDL: method → {exception name: result field id})
+        resolves `on_exceptions` names. Every route's retry policy is built here, so a name
+        that cannot be resolved is a ValueError now, naming the route, not at the first retry."""
         self.listener_name = listener_name
         self.router = router
         self.oneway_methods = oneway_methods
@@ -67,6 +72,13 @@ class Pipeline:
         self.on_send = None       # telemetry: headers to add for a THeader upstream (trace context)
         self.on_begin = None      # telemetry: trace context for THeader traffic
         self._policies: dict[int, RetryPolicy | None] = {}
+        self.exception_ids = exception_ids
+        for i, route in enumerate(getattr(router, "routes", ())):
+            try:
+                if getattr(route, "settings", None) is not None:
+                    self._policy(route)
+            except ValueError as e:
+                raise ValueError(f"routes[{getattr(route, 'index', i)}].retry: {e}") from None
 
     # 1-3: route, oneway, admit -----------------------------------------------------
 
@@ -178,19 +190,15 @@ class Pipeline:
         attempt.t_acquired = monotonic_ns()
         attempt.upconn = conn
         framing = conn.pool.framing
-        if framing.is_header and (call.deadline or self.on_send is not None):
-            headers = dict(call.msg.headers)
-            if call.deadline:
-                headers[CLIENT_TIMEOUT_HEADER] = str(max(int((call.deadline - self.loop.time()) * 1000), 1))
-            if self.on_send is not None:
-                self.on_send(attempt, headers)
-            data = (strip_service(call.msg, framing, headers) if call.route.strip_service
-                    else reframe(call.msg, framing, headers))
-        else:
-            data = call._request.get(framing)
-            if data is None:
-                data = call._request[framing] = (strip_service(call.msg, framing) if call.route.strip_service
-                                                 else reframe(call.msg, framing))
+        try:
+            data = self._request_bytes(call, attempt, framing)
+        except ProtocolError as e:  # e.g. a THeader payload that does not inflate: the client's fault
+            conn.pool.release(conn)
+            attempt.upconn = None
+            self._end_attempt(attempt, calls.NOT_SENT, False)
+            call.outcome = calls.BAD_REQUEST
+            self.fail(call, e.app_type, e.message)
+            return
         attempt.endpoint.outstanding += 1
         call.written = True
         conn.exchange(None if call.oneway else attempt, data)
@@ -202,6 +210,22 @@ class Pipeline:
             self._end_attempt(attempt, calls.SUCCESS)
             self._release_call(call)
             self.completed(call)
+
+    def _request_bytes(self, call: Call, attempt: Attempt, framing) -> bytes:
+        """The request as this upstream wants it: re-framed, renamed, with THeader headers added."""
+        if framing.is_header and (call.deadline or self.on_send is not None):
+            headers = dict(call.msg.headers)
+            if call.deadline:
+                headers[CLIENT_TIMEOUT_HEADER] = str(max(int((call.deadline - self.loop.time()) * 1000), 1))
+            if self.on_send is not None:
+                self.on_send(attempt, headers)
+            return (strip_service(call.msg, framing, headers) if call.route.strip_service
+                    else reframe(call.msg, framing, headers))
+        data = call._request.get(framing)
+        if data is None:
+            data = call._request[framing] = (strip_service(call.msg, framing) if call.route.strip_service
+                                             else reframe(call.msg, framing))
+        return data
 
     # 6-7: reply, classify ------------------------------------------------------------
 
@@ -232,7 +256,13 @@ class Pipeline:
             return
         call.outcome = outcome
         framing = call.msg.framing
-        data = reply.data if reply.framing is framing else reframe(reply, framing)
+        try:
+            data = reply.data if reply.framing is framing else reframe(reply, framing)
+        except ProtocolError as e:  # a reply we cannot re-frame (e.g. its zlib payload is broken)
+            call.outcome = calls.MAY_HAVE_RUN
+            self.fail(call, AppErrorType.INTERNAL_ERROR,
+                      f"may have run: bad reply from {attempt.endpoint.label}: {e.message.removeprefix('bad request: ')}")
+            return
         self.finish(call, data)
 
     # 6b: a large reply streams: checked and classified from its head, passed on as it arrives
@@ -325,7 +355,7 @@ class Pipeline:
             return self._policies[key]
         except KeyError:
             s = route.settings
-            policy = RetryPolicy(s.retry, s.retry_buffer) if s is not None else None
+            policy = RetryPolicy(s.retry, s.retry_buffer, self.exception_ids) if s is not None else None
             self._policies[key] = policy
             return policy
 

@@ -382,3 +382,34 @@ def test_strip_service_forwards_bare_names_to_a_plain_server(framing, protocol):
                 assert c.lookup("z") == "upstream:z"
     finally:
         up.stop()
+
+
+def test_deflated_request_inflating_past_the_limit_is_refused():
+    """A small zlib THeader frame that would inflate past max_frame_size when re-framed."""
+    from thrift.protocol import THeaderProtocol
+    from thrift.transport import THeaderTransport, TTransport
+
+    from harness import HEADER_TYPES, TestService
+
+    up = ThriftServer("framed", "binary")
+    try:
+        with Proxy(config_text([up.address], transport="header", cluster_transport="framed")) as p:
+            buf = TTransport.TMemoryBuffer()
+            prot = THeaderProtocol.THeaderProtocol(buf, HEADER_TYPES)
+            prot.add_transform(THeaderTransport.THeaderTransformID.ZLIB)
+            c = TestService.Client(prot)
+            c._seqid = 21
+            c.send_echo(b"\0" * 20_000_000)
+            frame = buf.getvalue()
+            assert len(frame) < 100_000
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(frame)
+                (r,) = read_messages(s, 1, "header")
+            x = app_exception(r)
+            assert (r.seqid, r.name) == (21, "echo")
+            assert x.type == TApplicationException.PROTOCOL_ERROR
+            assert x.message.startswith("thrift-sidecar: bad request:") and "exceeds" in x.message
+            with client(p.port(), "header", "binary") as ok:  # the proxy keeps serving
+                assert ok.lookup("a") == "upstream:a"
+    finally:
+        up.stop()

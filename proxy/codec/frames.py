@@ -69,5 +69,7 @@ def exception_reply(head: Head, app_type: AppErrorType | int, message: str) -> b
     i = name.find(":")
     if i >= 0:
         name = name[i + 1:]
-    payload = encode_application_exception(name, head.seqid, head.protocol, int(app_type), message)
-    return frame_payload(payload, head.framing, head.protocol, head.seqid)
+    # A versioned (strict) binary head: every binary reader accepts it, non-strict ones included.
+    protocol = Protocol.BINARY if head.protocol is Protocol.BINARY_NONSTRICT else head.protocol
+    payload = encode_application_exception(name, head.seqid, protocol, int(app_type), message)
+    return frame_payload(payload, head.framing, protocol, head.seqid)

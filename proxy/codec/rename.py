@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import struct
 
+from proxy.codec.wire import DEFAULT_MAX_FRAME_SIZE
 from proxy.codec.frames import frame_payload, reframe
 from proxy.codec.heads import encode_head
 from proxy.codec.message import Message
@@ -28,7 +29,7 @@ _I32 = struct.Struct("!i")
 
 
 def strip_service(msg: Message, framing: Framing | None = None, headers: dict[str, str] | None = None,
-                  max_size: int = 1 << 31) -> bytes:
+                  max_size: int = DEFAULT_MAX_FRAME_SIZE) -> bytes:
     """`msg` with `Svc:method` renamed to `method`, framed for `framing` (default: its own).
 
     A message without a `Svc:` prefix is only re-framed. `headers` (THeader
