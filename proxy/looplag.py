@@ -56,7 +56,9 @@ class LoopLagMonitor:
         """The largest lag (ns) of a stall that overlapped [start_ns, end_ns]."""
         worst = 0
         # A sample at `when` with lag L covers the stall [when - L, when].
-        for when, lag in reversed(tuple(self.samples)):  # a snapshot: read from the export thread
+        # Newest first, stopping at the first stall that ended before the call began: a call
+        # looks at a handful of samples, never the whole history (runs on the loop thread).
+        for when, lag in reversed(self.samples):
             if when - lag > end_ns:
                 continue
             if when < start_ns:
