@@ -703,6 +703,9 @@ def loads(text: str, filename: str = "<string>") -> Config:
         config = Config.model_validate(data, context={"base_dir": Path(filename).parent.absolute()})
     except ValidationError as e:
         problems += _problems_from(e, Config)
+    if config is not None and not problems:
+        from proxy.idl import config_problems  # reads each listener's IDL (and its includes)
+        problems += config_problems(config)
     if problems:
         raise ConfigError(_error_lines(filename, data, lines, problems))
     assert config is not None

@@ -164,10 +164,26 @@ class Server:
             request_read_timeout=lc.request_read_timeout, idle_timeout=lc.idle_timeout)
 
     def _pipeline(self, lc: cfgmod.Listener) -> Pipeline:
+        """The listener's request path; ValueError naming the listener if its IDL is unusable or
+        a route's `on_exceptions` names cannot be resolved (the IDL is read on every build)."""
+        from proxy.idl import IdlError, load as load_idl
+
         router = Router([build_route(r, i, self.clusters, self.rng) for i, r in enumerate(lc.routes)])
-        pipeline = Pipeline(lc.name, router, frozenset(lc.oneway_methods), self.loop, self.rng)
+        try:
+            idl = load_idl(lc.idl) if lc.idl is not None else None
+        except IdlError as e:
+            raise ValueError(f"listener {lc.name}: idl: {e}") from None
+        # the IDL's oneway methods, so clients that send them as CALL need no `oneway_methods`
+        oneway = frozenset(lc.oneway_methods) | (idl.oneway_methods() if idl is not None else frozenset())
+        try:
+            pipeline = Pipeline(lc.name, router, oneway, self.loop, self.rng,
+                                exception_ids=idl.exception_ids() if idl is not None else None)
+        except ValueError as e:
+            raise ValueError(f"listener {lc.name}: {e}") from None
         known = [r.match.method for r in lc.routes
                  if r.match is not None and r.match.method and not any(c in r.match.method for c in "*?[")]
+        if idl is not None:  # every IDL method has its own label, never `_OTHER`
+            known += sorted(idl.known_methods())
         pipeline.on_complete = CallRecorder(lc.service, lc.name, self.metrics.service(lc.service, known),
                                             self.telemetry, self.lag, self.config.logging.access_log)
         if self.telemetry is not None:

@@ -1,0 +1,1 @@
+../proxy/data/user_service.thrift

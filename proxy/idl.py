@@ -1,0 +1,231 @@
+"""A listener's Thrift IDL: which methods exist, which are oneway, which exceptions each declares.
+
+Owns: reading an IDL file and the files it includes (with `thriftpy2`'s parser, not one of our
+own) into a small frozen `Idl`, the names the rest of the proxy takes from it, and the check of a
+config's IDL references (`config_problems`). Leaves to others: what those names do — the pipeline
+treats `oneway_methods()` as oneway even when sent as CALL, metrics give every `known_methods()`
+name its own label, `RetryPolicy` resolves `on_exceptions` names through `exception_ids()`.
+
+    idl = load("user_service.thrift")            # raises IdlError("FILE:LINE: message")
+    idl.services["UserService"].methods["get"]   # Method(name, oneway, exceptions={"NotFound": 1})
+    idl.method_names()                           # frozenset of bare method names
+    idl.oneway_methods()                         # bare names, and `Svc:method` for multiplexed calls
+    idl.exception_ids()                          # {method: {exception type name: result field id}}
+
+Only the file's own services count (an `extends` brings the parent's methods in); services that
+sit in included files alone are not this listener's. Includes resolve against the including
+file's folder, then the top file's folder — never the working directory. A parse reads the
+files every time (a reload sees an edited include): thriftpy2's module cache is left as found.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+__all__ = ["Idl", "IdlError", "Method", "Service", "config_problems", "load"]
+
+
+class IdlError(Exception):
+    """The IDL cannot be used; the message starts with `FILE:LINE:` when the parser knows them."""
+
+    def __init__(self, path: str, line: int | None, message: str) -> None:
+        self.path = path
+        self.line = line
+        self.message = message
+        super().__init__(f"{path}:{line}: {message}" if line is not None else f"{path}: {message}")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    oneway: bool
+    # exception type name → its field id in the method's result struct (the id a reply carries)
+    exceptions: Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class Service:
+    name: str
+    methods: Mapping[str, Method]  # in IDL order, inherited (`extends`) methods last
+
+
+@dataclass(frozen=True)
+class Idl:
+    path: Path
+    services: Mapping[str, Service]
+
+    def methods(self) -> list[tuple[str, Method]]:
+        """(service name, method) for every method of every service."""
+        return [(s.name, m) for s in self.services.values() for m in s.methods.values()]
+
+    def method_names(self) -> frozenset[str]:
+        """Bare method names, as a non-multiplexed client sends them."""
+        return frozenset(m.name for _, m in self.methods())
+
+    def known_methods(self) -> frozenset[str]:
+        """Every name a client may send: bare, and `Svc:method` (TMultiplexedProtocol)."""
+        return self.method_names() | {f"{s}:{m.name}" for s, m in self.methods()}
+
+    def oneway_methods(self) -> frozenset[str]:
+        """Names to treat as oneway even when they arrive as CALL.
+
+        `Svc:method` for each oneway method; the bare name only when no service of the file
+        declares that name as a normal (replying) method, so a clash never leaves a client
+        waiting for a reply the proxy would not send.
+        """
+        replying = {m.name for _, m in self.methods() if not m.oneway}
+        names = set()
+        for service, m in self.methods():
+            if m.oneway:
+                names.add(f"{service}:{m.name}")
+                if m.name not in replying:
+                    names.add(m.name)
+        return frozenset(names)
+
+    def exception_ids(self) -> dict[str, dict[str, int]]:
+        """Bare method → {exception type name: result field id}, for `RetryPolicy`.
+
+        A method name declared by several services keeps only the exceptions whose id agrees
+        in all of them (the pipeline matches replies on the bare name).
+        """
+        out: dict[str, dict[str, int]] = {}
+        clash: set[tuple[str, str]] = set()
+        for _, m in self.methods():
+            ids = out.setdefault(m.name, {})
+            for name, fid in m.exceptions.items():
+                if ids.setdefault(name, fid) != fid:
+                    clash.add((m.name, name))
+        for method, name in clash:
+            del out[method][name]
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+
+
+_AT_LINE = re.compile(r",? at line (\d+)")
+_OF_FILE = re.compile(r" of the file '(.*)'$")
+_NO_INCLUDE = re.compile(r"Couldn't include thrift (.*) in any directories provided")
+
+
+def load(path: str | os.PathLike) -> Idl:
+    """Parse the IDL at `path` and its includes; IdlError for anything unusable."""
+    shown = os.fspath(path)
+    try:  # imported here: only configs with `idl:` need it
+        from thriftpy2.parser import parser as tp
+        from thriftpy2.parser.exc import ThriftParserError
+    except ImportError as e:
+        raise IdlError(shown, None, f"reading an IDL needs the thriftpy2 package ({e})") from None
+
+    top = os.path.abspath(shown)
+    if not os.path.isfile(top):
+        raise IdlError(shown, None, "no such file" if not os.path.exists(top) else "not a file")
+    if not top.endswith(".thrift"):
+        raise IdlError(shown, None, "an IDL file name must end with .thrift")
+    lock = getattr(tp, "_parse_lock", None)
+    cache = getattr(tp, "_thrift_cache", None)
+    try:
+        if lock is not None and isinstance(cache, dict):
+            with lock:  # includes are cached by module name: keep none of ours there
+                saved = dict(cache)
+                try:
+                    module = tp.parse(top, include_dirs=[os.path.dirname(top)], enable_cache=False)
+                finally:
+                    cache.clear()
+                    cache.update(saved)
+        else:
+            module = tp.parse(top, include_dirs=[os.path.dirname(top)], enable_cache=False)
+    except ThriftParserError as e:
+        raise _parse_error(shown, top, str(e)) from None
+    except OSError as e:
+        raise IdlError(e.filename or shown, None, e.strerror or str(e)) from None
+    except UnicodeDecodeError as e:
+        raise IdlError(shown, None, f"not UTF-8 text ({e.reason})") from None
+    except RecursionError:
+        raise IdlError(shown, None, "includes or types nest too deeply") from None
+    except Exception as e:  # the parser choked on something it has no message for
+        raise IdlError(shown, None, f"cannot be parsed ({type(e).__name__}: {e})") from None
+
+    services = {cls.__name__: _service(cls) for cls in module.__thrift_meta__.get("services", [])}
+    if not services:
+        raise IdlError(shown, None, "declares no service")
+    return Idl(Path(shown), MappingProxyType(services))
+
+
+def _parse_error(shown: str, top: str, text: str) -> IdlError:
+    """thriftpy2's message as `FILE:LINE: message`.
+
+    Only syntax errors name their file (maybe an include); the others (an illegal character,
+    an unknown type) give a line in whichever file was being read, shown with the top file.
+    """
+    where = shown
+    m = _OF_FILE.search(text)
+    if m:
+        where = shown if os.path.abspath(m.group(1)) == top else m.group(1)
+        text = text[:m.start()]
+    line = None
+    m = _AT_LINE.search(text)
+    if m:
+        line = int(m.group(1))
+        text = text[:m.start()] + text[m.end():]
+    m = _NO_INCLUDE.match(text)
+    if m:
+        text = (f"include \"{m.group(1)}\" not found (looked in the including file's folder "
+                "and the top IDL file's folder)")
+    elif text.startswith("Grammar error at EOF"):
+        text = "syntax error: unexpected end of file"
+    elif text.startswith("Grammar error "):
+        text = "syntax error at " + text[len("Grammar error "):]
+    return IdlError(where, line, text)
+
+
+def _service(cls: Any) -> Service:
+    methods = {}
+    for name in cls.thrift_services:
+        result = getattr(cls, f"{name}_result")
+        exceptions: dict[str, int] = {}
+        for fid, spec in sorted(result.thrift_spec.items()):
+            if fid != 0 and len(spec) > 2 and isinstance(spec[2], type):
+                exceptions.setdefault(spec[2].__name__, fid)  # the same type twice: its first id
+        methods[name] = Method(name, bool(getattr(result, "oneway", False)), MappingProxyType(exceptions))
+    return Service(cls.__name__, MappingProxyType(methods))
+
+
+# --------------------------------------------------------------------------------------------
+# Checking a config
+
+
+def config_problems(config: Any) -> list[tuple[tuple[str | int, ...], str]]:
+    """(key path, message) for each listener IDL that cannot be read and each `on_exceptions`
+    name that cannot be resolved: without an `idl`, or declared by no method of it."""
+    problems: list[tuple[tuple[str | int, ...], str]] = []
+    for i, listener in enumerate(config.listeners):
+        idl = None
+        if listener.idl is not None:
+            try:
+                idl = load(listener.idl)
+            except IdlError as e:
+                problems.append((("listeners", i, "idl"), str(e)))
+                continue
+        declared = (sorted({n for ids in idl.exception_ids().values() for n in ids})
+                    if idl is not None else [])
+        for j, route in enumerate(listener.routes):
+            for k, ref in enumerate(route.retry.on_exceptions):
+                if not isinstance(ref, str):
+                    continue
+                loc = ("listeners", i, "routes", j, "retry", "on_exceptions", k)
+                if idl is None:
+                    problems.append((loc, f"exception name '{ref}' needs the listener's idl "
+                                          "(or give the result field id)"))
+                elif ref not in declared:
+                    hint = difflib.get_close_matches(ref, declared, n=1)
+                    problems.append((loc, f"no method in {idl.path.name} declares exception '{ref}'"
+                                          + (f" (did you mean '{hint[0]}'?)" if hint else "")))
+    return problems

@@ -1,0 +1,339 @@
+"""A listener's `idl:`: parsing (proxy.idl) and what it turns on — oneway methods sent as CALL,
+retries on exceptions named in the IDL, every IDL method its own metrics label — plus clear
+errors for an IDL that does not parse and for exception names nothing can resolve."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import (
+    ROOT,
+    Handler,
+    Proxy,
+    ThriftServer,
+    Unavailable,
+    client,
+    config_text,
+    read_messages,
+    request_bytes,
+)
+from proxy import config as cfgmod
+from proxy.codec import MessageType
+from proxy.idl import IdlError, config_problems, load
+from proxy.metrics import Metrics
+
+IDL = ROOT / "tests" / "idl" / "sidecar_test.thrift"
+# A config "file" in config/: `../tests/idl/...` is relative to it (nothing is written there).
+CONFIG_NAME = str(ROOT / "config" / "idl-test.yaml")
+IDL_KEY = "\n    idl: ../tests/idl/sidecar_test.thrift"
+
+
+def _loads(text: str) -> cfgmod.Config:
+    return cfgmod.loads(text, CONFIG_NAME)
+
+
+def _proxy(text: str, monkeypatch, filename: str = CONFIG_NAME, **kw) -> Proxy:
+    """The in-process proxy, with its config read as if from `filename` (relative paths)."""
+    real = cfgmod.loads
+    monkeypatch.setattr(cfgmod, "loads", lambda t, _name="<string>": real(t, filename))
+    return Proxy(text, **kw)
+
+
+def _config_checks_idl() -> bool:
+    """Does config loading check IDL references (the rule `config_problems` states)?"""
+    text = config_text(["127.0.0.1:1"]).replace(
+        "      - cluster: up", "      - cluster: up\n        retry: {on_exceptions: [Unavailable]}")
+    try:
+        cfgmod.loads(text)
+    except cfgmod.ConfigError:
+        return True
+    return False
+
+
+needs_config_rule = pytest.mark.skipif(
+    not _config_checks_idl(), reason="proxy/config.py does not call proxy.idl.config_problems yet")
+
+
+# ---------------------------------------------------------------------------- parsing
+
+def test_parses_the_test_idl():
+    idl = load(IDL)
+    assert list(idl.services) == ["TestService", "AdminService"]
+    test = idl.services["TestService"]
+    assert list(test.methods) == ["ping", "roundtrip", "echo", "get_users", "lookup", "sleep",
+                                  "log_event", "incr", "count"]
+    assert test.methods["log_event"].oneway is True
+    assert [m.name for m in test.methods.values() if m.oneway] == ["log_event"]
+    assert dict(test.methods["lookup"].exceptions) == {"NotFound": 1, "Unavailable": 2}
+    assert dict(test.methods["ping"].exceptions) == {}
+    assert idl.method_names() == {"ping", "roundtrip", "echo", "get_users", "lookup", "sleep",
+                                  "log_event", "incr", "count", "version", "add"}
+    assert idl.oneway_methods() == {"log_event", "TestService:log_event"}
+    assert idl.exception_ids()["lookup"] == {"NotFound": 1, "Unavailable": 2}
+    assert {"lookup", "TestService:lookup", "AdminService:add"} <= idl.known_methods()
+
+
+def test_the_result_is_frozen():
+    idl = load(IDL)
+    with pytest.raises(Exception):
+        idl.services["TestService"].methods["lookup"].exceptions["Other"] = 3  # type: ignore[index]
+    with pytest.raises(Exception):
+        idl.path = Path("x")  # type: ignore[misc]
+
+
+def _write(folder: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+
+
+def test_includes_extends_and_a_reparse_sees_an_edited_include(tmp_path, monkeypatch):
+    _write(tmp_path, {
+        "main.thrift": 'include "common/base.thrift"\n'
+                       "service Main extends base.Base {\n"
+                       "  string get(1: string k) throws (2: base.Gone gone),\n"
+                       "  oneway void fire(1: string e),\n"
+                       "}\n",
+        "common/base.thrift": "exception Gone { 1: string why }\n"
+                              "service Base { i32 base_call() throws (3: Gone g) }\n",
+    })
+    monkeypatch.chdir(ROOT)  # includes never resolve against the working directory
+    idl = load(tmp_path / "main.thrift")
+    assert list(idl.services) == ["Main"]  # the included file's own service is not the listener's
+    assert idl.method_names() == {"get", "fire", "base_call"}
+    assert idl.oneway_methods() == {"fire", "Main:fire"}
+    assert idl.exception_ids() == {"get": {"Gone": 2}, "fire": {}, "base_call": {"Gone": 3}}
+
+    (tmp_path / "common/base.thrift").write_text(
+        "exception Gone { 1: string why }\nservice Base { oneway void base_call() }\n")
+    assert load(tmp_path / "main.thrift").oneway_methods() == {"fire", "Main:fire", "base_call",
+                                                                "Main:base_call"}
+
+
+def test_a_name_in_two_services_is_oneway_or_retried_only_where_they_agree(tmp_path):
+    _write(tmp_path, {"two.thrift": "exception E { 1: string w }\nexception F { 1: string w }\n"
+                                    "service A { oneway void ev(), void get() throws (1: E e, 2: F f) }\n"
+                                    "service B { void ev(), void get() throws (1: E e, 3: F f) }\n"})
+    idl = load(tmp_path / "two.thrift")
+    assert idl.oneway_methods() == {"A:ev"}  # a bare `ev` may be B's, which replies
+    assert idl.exception_ids()["get"] == {"E": 1}
+
+
+@pytest.mark.parametrize("files,where,message", [
+    ({"x.thrift": "struct A {\n  1: i32 a,\n}\nservice S { void f( }\n"}, "x.thrift:4", "syntax error at '}'"),
+    ({"x.thrift": "service S {\n  void f(\n"}, "x.thrift", "syntax error: unexpected end of file"),
+    ({"x.thrift": "service S {\n  Foo f()\n}\n"}, "x.thrift:2", "No type found: 'Foo'"),
+    ({"x.thrift": "service S {\n  void f() $\n}\n"}, "x.thrift:2", "Illegal character '$'"),
+    ({"x.thrift": 'include "gone.thrift"\nservice S { void f() }\n'}, "x.thrift",
+     'include "gone.thrift" not found'),
+    ({"x.thrift": 'include "sub/b.thrift"\nservice S { void f() }\n',
+      "sub/b.thrift": "struct B {\n  1: i32 x,\n  2 i32 y\n}\n"}, "sub/b.thrift:3", "syntax error at 'i32'"),
+    ({"x.thrift": "struct A { 1: i32 a }\n"}, "x.thrift", "declares no service"),
+])
+def test_errors_name_the_file_and_line(tmp_path, files, where, message):
+    _write(tmp_path, files)
+    with pytest.raises(IdlError) as e:
+        load(tmp_path / "x.thrift")
+    assert str(e.value).startswith(f"{tmp_path / where}: ") and message in str(e.value), str(e.value)
+
+
+def test_a_missing_file_is_an_error(tmp_path):
+    with pytest.raises(IdlError, match=r"nope\.thrift: no such file"):
+        load(tmp_path / "nope.thrift")
+    with pytest.raises(IdlError, match="not a file"):
+        load(tmp_path)
+
+
+# ---------------------------------------------------------------------------- config checks
+
+def _route_retry(text: str, retry: str) -> str:
+    return text.replace("      - cluster: up", f"      - cluster: up\n        retry: {retry}")
+
+
+def test_config_problems_names_without_idl_unknown_names_and_broken_idls(tmp_path):
+    base = config_text(["127.0.0.1:1"])
+    ok = _loads(_route_retry(base.replace("    protocol: binary", "    protocol: binary" + IDL_KEY),
+                             "{attempts: 2, on_exceptions: [Unavailable, 1]}"))
+    assert ok.listeners[0].idl.resolve() == IDL  # relative to the config file
+    assert config_problems(ok) == []
+
+    loc = ("listeners", 0, "routes", 0, "retry", "on_exceptions", 0)
+    no_idl = cfgmod.Config.model_validate(yaml_load(_route_retry(base, "{on_exceptions: [Unavailable]}")))
+    assert config_problems(no_idl) == [(loc, "exception name 'Unavailable' needs the listener's idl "
+                                             "(or give the result field id)")]
+
+    typo = cfgmod.Config.model_validate(
+        yaml_load(_route_retry(base.replace("    protocol: binary", f"    protocol: binary\n    idl: {IDL}"),
+                               "{on_exceptions: [Unavailible]}")))
+    assert config_problems(typo) == [(loc, "no method in sidecar_test.thrift declares exception "
+                                           "'Unavailible' (did you mean 'Unavailable'?)")]
+
+    (tmp_path / "bad.thrift").write_text("service S {\n  void f(\n}\n")
+    broken = cfgmod.Config.model_validate(
+        yaml_load(base.replace("    protocol: binary", f"    protocol: binary\n    idl: {tmp_path / 'bad.thrift'}")))
+    ((where, message),) = config_problems(broken)
+    assert where == ("listeners", 0, "idl") and message.startswith(f"{tmp_path / 'bad.thrift'}:3: syntax error")
+
+
+def yaml_load(text: str):
+    import yaml
+    return yaml.safe_load(text)
+
+
+@needs_config_rule
+def test_check_config_reports_idl_problems_with_their_lines(tmp_path):
+    (tmp_path / "bad.thrift").write_text("service S {\n  void f(\n}\n")
+    text = _route_retry(config_text(["127.0.0.1:1"]).replace(
+        "    protocol: binary", "    protocol: binary\n    idl: bad.thrift"), "{on_exceptions: [Unavailable]}")
+    (tmp_path / "sidecar.yaml").write_text(text)
+    r = subprocess.run([sys.executable, "-m", "proxy", "check-config", str(tmp_path / "sidecar.yaml")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r
+    assert f"sidecar.yaml:8: listeners[0].idl: {tmp_path / 'bad.thrift'}:3: syntax error" in r.stderr, r.stderr
+
+    (tmp_path / "sidecar.yaml").write_text(text.replace("    idl: bad.thrift\n", ""))
+    r = subprocess.run([sys.executable, "-m", "proxy", "check-config", str(tmp_path / "sidecar.yaml")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "listeners[0].routes[0].retry.on_exceptions[0]: exception name " \
+                                 "'Unavailable' needs the listener's idl" in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------------------- the server refuses
+
+def test_server_refuses_exception_names_without_idl():
+    text = _route_retry(config_text(["127.0.0.1:1"]), "{attempts: 2, on_exceptions: [Unavailable]}")
+    config = cfgmod.Config.model_validate(yaml_load(text))  # bypasses the config-level rule
+    with pytest.raises(ValueError, match=r"listener test: routes\[0\]\.retry: .*need the listener's idl"):
+        _build_server(config)
+
+
+def test_server_refuses_an_idl_that_does_not_parse(tmp_path):
+    (tmp_path / "bad.thrift").write_text("service S {\n  void f(\n}\n")
+    text = config_text(["127.0.0.1:1"]).replace("    protocol: binary",
+                                                f"    protocol: binary\n    idl: {tmp_path / 'bad.thrift'}")
+    config = cfgmod.Config.model_validate(yaml_load(text))
+    with pytest.raises(ValueError, match=rf"listener test: idl: {tmp_path / 'bad.thrift'}:3: syntax error"):
+        _build_server(config)
+
+
+def _build_server(config: cfgmod.Config) -> None:
+    from proxy.server import Server
+
+    async def build() -> None:
+        server = Server(config, asyncio.get_running_loop())
+        try:
+            server.build_listener(config.listeners[0])
+        finally:
+            for c in server.clusters.values():
+                c.close()
+
+    asyncio.run(build())
+
+
+# ---------------------------------------------------------------------------- live
+
+class _Answers(Handler):
+    """An upstream that is never down: lookup("down") answers."""
+
+    def lookup(self, key):
+        self._hit("lookup")
+        return f"{self.name}:{key}"
+
+
+def test_retry_on_an_exception_named_in_the_idl(monkeypatch):
+    down, fine = ThriftServer(name="down"), ThriftServer(handler=_Answers("fine"))
+    text = _route_retry(config_text([down.address, fine.address]).replace(
+        "    protocol: binary", "    protocol: binary" + IDL_KEY),
+        "{attempts: 2, idempotent: true, on_exceptions: [Unavailable]}")
+    try:
+        with _proxy(text, monkeypatch) as p:
+            assert p.config.listeners[0].idl.resolve() == IDL  # relative to the config file
+            with client(p.port()) as c:
+                results = [c.lookup("down") for _ in range(6)]
+            stats = p.server.listeners["test"].pipeline.stats
+    finally:
+        down.stop()
+        fine.stop()
+    assert results == ["fine:down"] * 6
+    assert down.handler.calls >= 1 and stats["retries"] == down.handler.calls
+
+
+def test_without_the_name_in_on_exceptions_it_is_not_retried(monkeypatch):
+    down = ThriftServer(name="down")
+    text = _route_retry(config_text([down.address]).replace("    protocol: binary", "    protocol: binary" + IDL_KEY),
+                        "{attempts: 2, idempotent: true, on_exceptions: [NotFound]}")
+    try:
+        with _proxy(text, monkeypatch) as p:
+            with client(p.port()) as c:
+                with pytest.raises(Unavailable):
+                    c.lookup("down")
+            assert p.server.listeners["test"].pipeline.stats["retries"] == 0
+    finally:
+        down.stop()
+
+
+def test_oneway_from_the_idl_sent_as_call_does_not_block(monkeypatch):
+    up = ThriftServer()
+    try:
+        with _proxy(config_text([up.address], extra_listener=IDL_KEY), monkeypatch) as p:
+            call_bytes = bytearray(request_bytes("framed", "binary", "log_event", "as-call", seqid=3))
+            call_bytes[4 + 3] = MessageType.CALL  # the type byte of the strict binary head
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(bytes(call_bytes) + request_bytes("framed", "binary", "count", "as-call", seqid=4))
+                (r,) = read_messages(s, 1, timeout=5)
+            assert r.seqid == 4 and r.type == MessageType.REPLY
+    finally:
+        up.stop()
+
+
+def test_every_idl_method_is_a_known_metrics_method(monkeypatch):
+    metrics = Metrics()
+    svc = metrics.service("TestService", max_methods=0)  # any name not known counts as _OTHER
+    up = ThriftServer()
+    try:
+        with _proxy(config_text([up.address], extra_listener=IDL_KEY), monkeypatch, metrics=metrics) as p:
+            assert p.server.metrics.services["TestService"] is svc
+            assert load(IDL).known_methods() <= set(svc.by_name)
+            with client(p.port()) as c:
+                c.ping()
+                c.lookup("k")
+                c.log_event("e")
+                assert c.count("e") == 1
+            deadline = time.monotonic() + 5
+            while sum(svc.by_name["count"].outcomes.values()) < 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            page = metrics.exposition().decode()
+    finally:
+        up.stop()
+    for method in ("ping", "lookup", "log_event", "count"):
+        assert svc.by_name[method].outcomes == {"success": 1}, method
+    assert svc.other.outcomes == {}
+    assert 'thrift_sidecar_calls_total{method="lookup",outcome="success",service="TestService"} 1.0' in page
+
+
+@needs_config_rule
+def test_a_reload_with_a_broken_idl_is_rejected_and_the_old_config_serves(tmp_path, monkeypatch):
+    shutil.copy(IDL, tmp_path / "svc.thrift")
+    up = ThriftServer()
+    path = tmp_path / "sidecar.yaml"
+    text = config_text([up.address], extra_listener="\n    idl: svc.thrift")
+    path.write_text(text)
+    try:
+        with _proxy(text, monkeypatch, filename=str(path), path=str(path)) as p:
+            before = p.server.listeners["test"].pipeline
+            (tmp_path / "svc.thrift").write_text("service S {\n  void f(\n}\n")
+            ok = asyncio.run_coroutine_threadsafe(p.server.reload(), p.loop).result(30)
+            assert ok is False and p.server.reloads == {"ok": 0, "failed": 1}
+            assert p.server.listeners["test"].pipeline is before
+            with client(p.port()) as c:
+                assert c.lookup("k") == "upstream:k"
+    finally:
+        up.stop()
