@@ -47,6 +47,8 @@ class Cluster:
         self.panicking = False
         self.stats = {"calls": 0, "no_endpoint": 0, "endpoint_changes": 0}
         self.discovery = None     # a proxy.discovery source, started by start()
+        self.budget = None        # proxy.retry.RetryBudget (proxy.resilience.attach)
+        self.limits = None        # proxy.retry.ConcurrencyLimits (proxy.resilience.attach)
         # Called with each endpoint discovery adds (e.g. to give it a breaker); static
         # endpoints are set up where the cluster is built.
         self.endpoint_setup: Callable[[Endpoint], None] | None = None

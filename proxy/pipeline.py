@@ -73,12 +73,11 @@ class Pipeline:
         self.on_begin = None      # telemetry: trace context for THeader traffic
         self._policies: dict[int, RetryPolicy | None] = {}
         self.exception_ids = exception_ids
-        for i, route in enumerate(getattr(router, "routes", ())):
+        for route in router.routes:
             try:
-                if getattr(route, "settings", None) is not None:
-                    self._policy(route)
+                self._policy(route)
             except ValueError as e:
-                raise ValueError(f"routes[{getattr(route, 'index', i)}].retry: {e}") from None
+                raise ValueError(f"routes[{route.index}].retry: {e}") from None
 
     # 1-3: route, oneway, admit -----------------------------------------------------
 
@@ -103,7 +102,7 @@ class Pipeline:
         if self.on_begin is not None and (msg.header is not None or
                                           (cluster.framing is not None and cluster.framing.is_header)):
             self.on_begin(call)
-        limits = getattr(cluster, "limits", None)
+        limits = cluster.limits
         if limits is not None:
             if not limits.try_enter_request():
                 self.stats["limit_rejections"] += 1
@@ -112,7 +111,7 @@ class Pipeline:
                     written=False, endpoint_fault=False))
                 return
             call.holds_request = True
-        budget = getattr(cluster, "budget", None)
+        budget = cluster.budget
         if budget is not None:
             budget.deposit()
         timeout = route.settings.timeout if route.settings is not None else 0.0
@@ -168,7 +167,7 @@ class Pipeline:
         if conn is not None:
             self.send(attempt, conn)
             return
-        limits = getattr(cluster, "limits", None)
+        limits = cluster.limits
         if limits is not None:
             if not limits.try_enter_pending():
                 self.stats["limit_rejections"] += 1
@@ -337,7 +336,7 @@ class Pipeline:
             else:
                 breaker.record(verdict)
         if attempt.is_retry:
-            limits = getattr(attempt.call.cluster, "limits", None)
+            limits = attempt.call.cluster.limits
             if limits is not None:
                 limits.leave_retry()
             attempt.is_retry = False
@@ -370,11 +369,11 @@ class Pipeline:
         if not ok:
             return False
         cluster = call.cluster
-        limits = getattr(cluster, "limits", None)
+        limits = cluster.limits
         if limits is not None and not limits.try_enter_retry():
             self.stats["retries_refused_limit"] += 1
             return False
-        budget = getattr(cluster, "budget", None)
+        budget = cluster.budget
         if budget is not None and not budget.try_withdraw():
             self.stats["retries_refused_budget"] += 1
             if limits is not None:
@@ -395,14 +394,14 @@ class Pipeline:
         call.retry_timer = None
         call.backoffs.append((start, monotonic_ns()))
         if call.cancelled:
-            if getattr(call.cluster, "limits", None) is not None:
+            if call.cluster.limits is not None:
                 call.cluster.limits.leave_retry()
             return
         self.start_attempt(call, retry_reason=reason)
         a = call.attempt
         if a is not None and a.number > 1 and not a.ended:
             a.is_retry = True  # leave_retry() when it ends
-        elif getattr(call.cluster, "limits", None) is not None and (a is None or not a.is_retry):
+        elif call.cluster.limits is not None and (a is None or not a.is_retry):
             call.cluster.limits.leave_retry()
 
     # timeouts -------------------------------------------------------------------
@@ -443,17 +442,13 @@ class Pipeline:
             self._stream_failed(a, f"route timeout {_ms(timeout)}")
             return
         self.stats["timeouts"] += 1
-        if call.retry_timer is not None:
-            call.retry_timer.cancel()
-            call.retry_timer = None
-            if getattr(call.cluster, "limits", None) is not None:
-                call.cluster.limits.leave_retry()
+        self._cancel_backoff(call)
         a = call.attempt
         if a is not None and not a.ended:
             error = self._stop_attempt(a, f"route timeout {_ms(timeout)}")
             self._leave_pending(a)
-            if a.upconn is not None or a.t_written:
-                a.endpoint.outstanding -= 1 if a.upconn is not None else 0
+            if a.upconn is not None:
+                a.endpoint.outstanding -= 1
                 a.upconn = None
             a.t_reply = monotonic_ns()
             a.error = error.message
@@ -461,6 +456,14 @@ class Pipeline:
         else:
             error = UpstreamError(f"route timeout {_ms(timeout)} passed", written=call.written, timeout=True)
         self._give_up(call, error, calls.TIMEOUT if call.written else calls.NOT_SENT)
+
+    def _cancel_backoff(self, call: Call) -> None:
+        """A retry was waiting out its backoff: it will not happen (its max_retries slot frees)."""
+        if call.retry_timer is not None:
+            call.retry_timer.cancel()
+            call.retry_timer = None
+            if call.cluster.limits is not None:
+                call.cluster.limits.leave_retry()
 
     def _stop_attempt(self, attempt: Attempt, what: str) -> UpstreamError:
         """Stop waiting: a late reply must never reach the client (that connection is discarded)."""
@@ -518,11 +521,7 @@ class Pipeline:
     def cancel(self, call: Call) -> None:
         """The client went away: stop waiting; a written attempt runs out (its reply is dropped)."""
         call.cancelled = True
-        if call.retry_timer is not None:
-            call.retry_timer.cancel()
-            call.retry_timer = None
-            if getattr(call.cluster, "limits", None) is not None:
-                call.cluster.limits.leave_retry()
+        self._cancel_backoff(call)
         a = call.attempt
         if a is not None and a.waiter is not None:
             a.waiter.cancel()
