@@ -38,6 +38,7 @@ class Cluster:
         self.loop = loop
         self.endpoints: list[Endpoint] = list(endpoints)
         self.balancer = balancer
+        self.tracks_latency = balancer.name == "peak_ewma"  # only then is each reply's latency fed
         self.pool_settings = pool_settings
         self.framing = framing
         self.protocol = protocol

@@ -232,7 +232,8 @@ class Pipeline:
         attempt.t_reply = monotonic_ns()
         ep = attempt.endpoint
         ep.outstanding -= 1
-        ep.ewma.observe((attempt.t_reply - attempt.t_written) / 1e9)
+        if attempt.call.cluster.tracks_latency:  # only peak_ewma reads it
+            ep.ewma.observe((attempt.t_reply - attempt.t_written) / 1e9)
         attempt.upconn = None
         attempt.reply_size = len(reply.data)
         call = attempt.call
@@ -288,7 +289,8 @@ class Pipeline:
         attempt.t_reply = monotonic_ns()
         ep = attempt.endpoint
         ep.outstanding -= 1
-        ep.ewma.observe((attempt.t_first_reply - attempt.t_written) / 1e9)
+        if attempt.call.cluster.tracks_latency:  # only peak_ewma reads it
+            ep.ewma.observe((attempt.t_first_reply - attempt.t_written) / 1e9)
         attempt.upconn = None
         call = attempt.call
         attempt.reply_size = call.reply_size
