@@ -22,7 +22,7 @@ test: deps gen go-client jaeger chromium
 
 deps: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py proxy/codec/_scan.c
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[test]'
@@ -55,7 +55,26 @@ go-client: thrift-compiler
 	CACHE=$(CACHE) tests/interop/go/build.sh $(GOCLIENT)
 
 bench: deps
-	bench/run.sh
+	bench/run.sh $(BENCH_ARGS)
+
+# A bounded 10-minute soak: mixed calls while upstreams restart at random; 0 lost idempotent
+# calls, the proxy's RSS and open fds steady (tests/test_soak.py runs 60 s of it in `make test`).
+.PHONY: soak
+soak: deps gen
+	$(PY) tools/soak.py --duration 600
+
+# A long fuzz of the codec (~15 min on 2 cores): FUZZ_INPUTS inputs, half for the unframed
+# scanner (compiled vs pure, step by step), half decoder streams over every framing and protocol
+# (the codec invariant), then the Hypothesis properties of tests/test_scanner_compiled.py with
+# FUZZ_EXAMPLES examples each. Inputs with new outcomes (and failures) go to tests/fuzz_corpus/,
+# which `make test` replays.
+FUZZ_INPUTS ?= 1000000
+FUZZ_EXAMPLES ?= 20000
+.PHONY: fuzz
+fuzz: deps gen
+	$(PY) tests/fuzz_codec.py --inputs $(FUZZ_INPUTS)
+	HYPOTHESIS_PROFILE=fuzz FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider \
+	  tests/test_scanner_compiled.py -k "fuzzed_input or either_scanner"
 
 clean:
 	rm -rf $(VENV) $(GEN) build *.egg-info

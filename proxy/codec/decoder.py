@@ -53,7 +53,8 @@ class Decoder:
     framing/protocol None = detect from the first message. Framing HEADER also
     accepts THeader nested in a framed frame (config says just "header"): the
     first message decides, and `framing` becomes FRAMED_HEADER if so.
-    `scanner_factory` builds the unframed-message scanner (pure Python by default).
+    `scanner_factory` builds the unframed-message scanner: by default `proxy.codec.scan.StructScanner`,
+    the compiled one when it was built (else pure Python; see proxy.codec.scan.SCANNER_IMPL).
     """
 
     def __init__(self, framing: Framing | None = None, protocol: Protocol | None = None,

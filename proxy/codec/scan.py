@@ -12,12 +12,23 @@ Fixed-size values and string bodies are "skipped" by count, so only headers
 and varints (a few bytes) are ever re-read after a short read. `examined`
 counts every byte looked at, re-reads included (tests bound it).
 
-This is the pure-Python scanner; a compiled one may replace it behind the same
-interface (`Decoder(scanner_factory=...)`): `cls(compact, pos)`, `advance(buf, end)`,
-`pos`, `reach` and `examined`.
+Two implementations of one interface: `cls(compact, pos=0, max_depth=64)`,
+`advance(buf, end) -> bool`, `pos`, `reach` and `examined`.
+
+    PureStructScanner      this module's pure-Python scanner (the reference, always there)
+    CompiledStructScanner  proxy/codec/_scan.c (built by `pip install`), or None if it
+                           was not built; it agrees with the pure one step for step
+                           (tests/test_scanner_compiled.py, `make fuzz`)
+    StructScanner          the one to use: compiled if importable, else pure; the
+                           decoder's default. THRIFT_SIDECAR_PURE_SCANNER=1 forces pure.
+    SCANNER_IMPL           "c" or "python": which one StructScanner is.
+
+Nothing is logged at import.
 """
 
 from __future__ import annotations
+
+import os
 
 from proxy.codec.errors import ProtocolError
 
@@ -37,10 +48,11 @@ _CMP_VALID = frozenset(range(1, 14))
 DEFAULT_MAX_DEPTH = 64
 
 
-class StructScanner:
+class PureStructScanner:
     """Walks one struct starting at `pos`; `advance` returns True once its end is found.
 
-    After True, `pos` is the offset just past the struct's STOP byte.
+    After True, `pos` is the offset just past the struct's STOP byte (and further
+    calls return True again, changing nothing).
     """
 
     __slots__ = ("pos", "examined", "_compact", "_stack", "_pending", "_skip", "_max_depth")
@@ -64,6 +76,8 @@ class StructScanner:
 
     def advance(self, buf, end: int) -> bool:
         """Scan buf[pos:end]. True when the struct is complete; False = need more bytes."""
+        if not self._stack:
+            return True
         if self._compact:
             return self._advance_compact(buf, end)
         return self._advance_binary(buf, end)
@@ -281,6 +295,10 @@ class StructScanner:
             self._pending = pending
             self._skip = skip
 
+    def _state(self) -> tuple:
+        """(pending, skip, frames): the resumable state, as the compiled scanner's `_state()`."""
+        return self._pending, self._skip, tuple(tuple(f) for f in self._stack)
+
     def _push(self, stack: list, frame: list) -> None:
         if len(stack) >= self._max_depth:
             raise ProtocolError(f"bad request: nesting deeper than {self._max_depth}")
@@ -315,3 +333,21 @@ def _read_uvarint(buf, pos: int, end: int):
         if pos - start >= 5:
             raise ProtocolError("bad request: length varint longer than 5 bytes")
     return None
+
+
+def _compiled():
+    try:
+        from proxy.codec._scan import StructScanner as compiled
+    except ImportError:
+        return None
+    return compiled
+
+
+CompiledStructScanner = _compiled()
+
+if CompiledStructScanner is not None and os.environ.get("THRIFT_SIDECAR_PURE_SCANNER", "") in ("", "0"):
+    StructScanner = CompiledStructScanner
+    SCANNER_IMPL = "c"
+else:
+    StructScanner = PureStructScanner
+    SCANNER_IMPL = "python"
