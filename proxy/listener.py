@@ -172,7 +172,9 @@ class ClientConnection(asyncio.Protocol):
                 msg = dec.next_message()
             except ProtocolError as e:
                 self._protocol_error(e)
-                return
+                if self.closing:
+                    return
+                continue  # the bad frame was consumed (INVALID_TRANSFORM): requests behind it go on
             if msg is None:
                 break
             t_start = self.t_first

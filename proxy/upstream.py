@@ -153,7 +153,8 @@ class UpstreamConnection(asyncio.Protocol):
         try:
             reply = dec.next_message()
         except ProtocolError as e:
-            self._fail(UpstreamError(f"bad reply from {self.label}: {e.message.removeprefix('bad request: ')}",
+            why = e.message.removeprefix("bad request: ").replace("max_frame_size", "max_reply_size")
+            self._fail(UpstreamError(f"bad reply from {self.label}: {why}",
                                      written=True))
             return
         if reply is None:

@@ -1,0 +1,297 @@
+"""Broken upstreams (a raw socket server that misbehaves on cue): the client gets DESIGN.md's error,
+and the upstream connection is discarded (the next call is served on a new connection).
+
+    garbage reply, wrong seqid, reply over max_reply_size, bytes past the reply,
+    close or reset before / mid reply (buffered: "may have run"; streamed: the client's connection closes)
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from collections import deque
+
+import pytest
+from thrift.Thrift import TApplicationException
+
+from harness import Proxy, app_exception, config_text, read_messages, request_bytes
+from proxy.codec import MessageType
+
+MiB = 1024 * 1024
+STRICT_REPLY = 0x80010002
+
+
+def reply_bytes(name: bytes, seqid: int, payload: bytes = b"raw") -> bytes:
+    """A framed strict-binary REPLY whose result is field 0 (a string)."""
+    body = (struct.pack("!Ii", STRICT_REPLY, len(name)) + name + struct.pack("!i", seqid)
+            + b"\x0b\x00\x00" + struct.pack("!i", len(payload)) + payload + b"\x00")
+    return struct.pack("!i", len(body)) + body
+
+
+class FaultUpstream:
+    """A framed strict-binary upstream; each request takes the next behaviour from `plan`
+    (default "ok"). `accepts` counts connections: a discarded connection shows as a new accept."""
+
+    def __init__(self, default: str = "ok") -> None:
+        self.default = default
+        self.plan: deque[str] = deque()
+        self.accepts = 0
+        self.requests = 0
+        self.lsock = socket.socket()
+        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.listen(64)
+        self.port = self.lsock.getsockname()[1]
+        self.address = f"127.0.0.1:{self.port}"
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.lsock.accept()
+            except OSError:
+                return
+            with self.lock:
+                self.accepts += 1
+            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+
+    def _serve(self, c: socket.socket) -> None:
+        try:
+            with c:
+                while self._one(c):
+                    pass
+        except OSError:
+            pass
+
+    def _one(self, c: socket.socket) -> bool:
+        hdr = c.recv(4, socket.MSG_WAITALL)
+        if len(hdr) < 4:
+            return False
+        (n,) = struct.unpack("!i", hdr)
+        req = c.recv(n, socket.MSG_WAITALL)
+        version, nlen = struct.unpack_from("!Ii", req, 0)
+        name = req[8:8 + nlen]
+        (seqid,) = struct.unpack_from("!i", req, 8 + nlen)
+        with self.lock:
+            self.requests += 1
+            mode = self.plan.popleft() if self.plan else self.default
+        if version & 0xFF == 4:  # oneway: nothing to answer
+            return True
+        ok = reply_bytes(name, seqid)
+        if mode == "ok":
+            c.sendall(ok)
+        elif mode == "garbage":
+            c.sendall(struct.pack("!i", 12) + b"\xde\xad\xbe\xef" * 3)
+        elif mode == "http":
+            c.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+        elif mode == "echo_request":  # the request's own bytes (a CALL) sent back
+            c.sendall(hdr + req)
+        elif mode == "wrong_seqid":
+            c.sendall(reply_bytes(name, seqid + 1))
+        elif mode == "call_type":  # a CALL where a REPLY belongs
+            bad = bytearray(ok)
+            bad[7] = 1
+            c.sendall(bytes(bad))
+        elif mode.startswith("oversize"):  # oversize:N — a frame of N bytes, head first, slowly
+            size = int(mode.split(":")[1])
+            body_head = (struct.pack("!Ii", STRICT_REPLY, len(name)) + name + struct.pack("!i", seqid)
+                         + b"\x0b\x00\x00" + struct.pack("!i", size - 20 - len(name)))
+            c.sendall(struct.pack("!i", size) + body_head)
+            self._send_slowly(c, size - len(body_head), 256 * 1024)
+            return False
+        elif mode == "extra":  # a good reply, then bytes nobody asked for
+            c.sendall(ok + b"\x00\x00\x00\x05hello")
+        elif mode == "close_before_reply":
+            return False
+        elif mode == "reset_before_reply":
+            self._reset(c)
+            return False
+        elif mode == "reset_mid_reply":
+            c.sendall(ok[:len(ok) // 2])
+            time.sleep(0.05)
+            self._reset(c)
+            return False
+        elif mode.startswith("stream_reset"):  # stream_reset:N — a big reply cut after 1/3
+            size = int(mode.split(":")[1])
+            payload_len = size - 4 - (4 + 4 + len(name) + 4 + 3 + 4 + 1)
+            head = (struct.pack("!i", size - 4) + struct.pack("!Ii", STRICT_REPLY, len(name)) + name
+                    + struct.pack("!i", seqid) + b"\x0b\x00\x00" + struct.pack("!i", payload_len))
+            c.sendall(head)
+            self._send_slowly(c, size // 3, 256 * 1024)
+            time.sleep(0.1)
+            self._reset(c)
+            return False
+        elif mode == "stall_mid_reply":
+            c.sendall(ok[:10])
+            time.sleep(5)
+            return False
+        else:  # pragma: no cover
+            raise ValueError(mode)
+        return True
+
+    @staticmethod
+    def _send_slowly(c: socket.socket, n: int, step: int) -> None:
+        chunk = b"\xab" * step
+        while n > 0:
+            c.sendall(chunk[:min(n, step)])
+            n -= step
+
+    @staticmethod
+    def _reset(c: socket.socket) -> None:
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        c.close()
+
+    def close(self) -> None:
+        self.lsock.close()
+
+
+def _config(up: FaultUpstream, max_reply: str = "1MiB", threshold: str = "2MiB") -> str:
+    return config_text([up.address], extra_listener="\n    max_frame_size: 64MiB",
+                       extra_cluster=f"\n    max_reply_size: {max_reply}\n    stream_threshold: {threshold}"
+                                     "\n    circuit_breaker: {consecutive_failures: 1000, failure_rate: 1.0}"
+                       ).replace("      - cluster: up", "      - cluster: up\n        timeout: 1500ms")
+
+
+def _pool(p: Proxy):
+    (ep,) = p.server.clusters["up"].endpoints
+    (pool,) = ep.pools.values()
+    return pool
+
+
+def _call(port: int, method: str, *args, seqid: int = 7):
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(request_bytes("framed", "binary", method, *args, seqid=seqid))
+        (r,) = read_messages(s, 1, "framed", "binary", timeout=10)
+    return r
+
+
+def _expect_error(r, seqid: int, kind: str, fragment: str) -> str:
+    assert (r.seqid, r.type, r.name) == (seqid, MessageType.EXCEPTION, "lookup")
+    x = app_exception(r)
+    assert x.type == TApplicationException.INTERNAL_ERROR, x.message
+    assert x.message.startswith(f"thrift-sidecar: {kind}:"), x.message
+    assert fragment in x.message, x.message
+    return x.message
+
+
+@pytest.fixture
+def upstream():
+    up = FaultUpstream()
+    yield up
+    up.close()
+
+
+FAULTS = [
+    ("garbage", "bad reply from 127.0.0.1:"),
+    ("http", "bad reply from 127.0.0.1:"),
+    ("wrong_seqid", "seqid 8 does not match the request's 7"),
+    ("call_type", "bad reply from 127.0.0.1:"),
+    (f"oversize:{2 * MiB}", "bad reply from 127.0.0.1:"),
+    ("close_before_reply", "lost after the request was written"),
+    ("reset_before_reply", "lost after the request was written"),
+    ("reset_mid_reply", "lost after the request was written"),
+    ("stall_mid_reply", "route timeout 1500ms"),
+]
+
+
+@pytest.mark.parametrize("fault,fragment", FAULTS, ids=[f[0].split(":")[0] for f in FAULTS])
+def test_bad_upstream_reply_is_may_have_run_and_connection_discarded(upstream, fault, fragment):
+    with Proxy(_config(upstream)) as p:
+        port = p.port()
+        assert _call(port, "lookup", "a").type == MessageType.REPLY
+        assert _call(port, "lookup", "b").type == MessageType.REPLY
+        assert upstream.accepts == 1  # pooled: both on one connection
+        upstream.plan.append(fault)
+        t0 = time.monotonic()
+        msg = _expect_error(_call(port, "lookup", "c", seqid=7), 7, "may have run", fragment)
+        took = time.monotonic() - t0
+        print(f"{fault}: {msg!r} in {took * 1000:.0f} ms")
+        assert took < (2.0 if fault == "stall_mid_reply" else 1.0)
+        # the broken connection was discarded: the next call opens a new one
+        assert _call(port, "lookup", "d", seqid=9).type == MessageType.REPLY
+        assert upstream.accepts == 2
+        snap = p.call(lambda: _pool(p).snapshot())
+        assert snap["open"] == 1 and snap["idle"] == 1, snap
+        assert p.server.listeners["test"].pipeline.stats["errors"] == 1
+
+
+def test_oversized_reply_refused_from_its_length_prefix(upstream):
+    """max_reply_size 1 MiB, stream_threshold above it: a 40 MiB reply is refused from its prefix,
+    before the proxy reads (or holds) it."""
+    with Proxy(_config(upstream, "1MiB", "2MiB")) as p:
+        upstream.plan.append(f"oversize:{40 * MiB}")
+        t0 = time.monotonic()
+        msg = _expect_error(_call(p.port(), "lookup", "big"), 7, "may have run", "bad reply from")
+        assert "exceeds max_reply_size 1048576" in msg, msg
+        assert time.monotonic() - t0 < 1.0
+        assert _call(p.port(), "lookup", "next", seqid=8).type == MessageType.REPLY
+        assert upstream.accepts == 2
+
+
+def test_oversized_reply_with_streaming_enabled_is_refused_too(upstream):
+    """stream_threshold below max_reply_size: a reply over max_reply_size does not stream."""
+    with Proxy(_config(upstream, "4MiB", "1MiB")) as p:
+        upstream.plan.append(f"oversize:{6 * MiB}")
+        _expect_error(_call(p.port(), "lookup", "big"), 7, "may have run", "bad reply from")
+        assert _call(p.port(), "lookup", "next", seqid=8).type == MessageType.REPLY
+        assert upstream.accepts == 2
+
+
+def test_bytes_past_the_reply_deliver_it_then_discard_the_connection(upstream):
+    with Proxy(_config(upstream)) as p:
+        upstream.plan.append("extra")
+        assert _call(p.port(), "lookup", "x").type == MessageType.REPLY
+        assert _call(p.port(), "lookup", "y", seqid=8).type == MessageType.REPLY
+        assert upstream.accepts == 2
+
+
+def test_reset_mid_streamed_reply_closes_the_client_connection(upstream):
+    """Once reply bytes reached the client, no exception can follow: its connection closes."""
+    size = 6 * MiB
+    with Proxy(_config(upstream, "16MiB", "1MiB")) as p:
+        assert _call(p.port(), "lookup", "warm").type == MessageType.REPLY
+        upstream.plan.append(f"stream_reset:{size}")
+        with socket.create_connection(("127.0.0.1", p.port())) as s:
+            s.sendall(request_bytes("framed", "binary", "lookup", "big", seqid=7))
+            s.settimeout(10)
+            got = 0
+            while True:
+                try:
+                    chunk = s.recv(1 << 20)
+                except ConnectionResetError:
+                    break
+                if not chunk:
+                    break
+                got += len(chunk)
+            assert 0 < got < size  # part of the reply came, then the connection closed
+        assert _call(p.port(), "lookup", "after", seqid=9).type == MessageType.REPLY
+        assert upstream.accepts == 2
+        snap = p.call(lambda: _pool(p).snapshot())
+        assert snap["open"] == 1, snap
+
+
+def test_client_gone_mid_stream_releases_the_upstream_connection(upstream):
+    """A client that closes while a large reply streams (and the upstream is paused behind it):
+    the upstream connection is closed and its pool slot freed, not held forever."""
+    size = 24 * MiB
+    with Proxy(_config(upstream, "64MiB", "1MiB")) as p:
+        assert _call(p.port(), "lookup", "warm").type == MessageType.REPLY
+        upstream.plan.append(f"oversize:{size}")  # a valid head, then 24 MiB sent at the client's pace
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)
+        s.connect(("127.0.0.1", p.port()))
+        s.sendall(request_bytes("framed", "binary", "lookup", "big", seqid=7))
+        s.recv(65536)
+        time.sleep(0.5)  # the stream is paused behind this client
+        s.close()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            snap = p.call(lambda: _pool(p).snapshot())
+            if snap["open"] == 0:
+                break
+            time.sleep(0.05)
+        assert snap["open"] == 0, snap
+        assert _call(p.port(), "lookup", "after", seqid=9).type == MessageType.REPLY
+        assert upstream.accepts == 2
