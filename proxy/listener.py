@@ -306,7 +306,7 @@ class ClientConnection(asyncio.Protocol):
         if call is not self.stream_call:
             return
         self.stream_call = None
-        self.stream_up = None
+        self.stream_up = None  # (the upstream connection resumed its own reading when it finished)
         if self.paused_writing:
             call.client_paused_ns += monotonic_ns() - self._paused_at
             self._paused_at = monotonic_ns()

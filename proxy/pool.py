@@ -108,6 +108,10 @@ class Pool:
     def release(self, conn: UpstreamConnection) -> None:
         if conn.closed:
             return
+        if conn.paused:
+            # A stream's last chunk can fill the client's buffer, pausing this connection's
+            # reading (backpressure) just as it finishes: never lend out a paused connection.
+            conn.resume_reading()
         waiters = self.waiters
         while waiters:
             w = waiters.popleft()

@@ -106,7 +106,7 @@ class Exchange:
 
 class UpstreamConnection(asyncio.Protocol):
     __slots__ = ("pool", "transport", "decoder", "exchange_", "idle_since", "closed", "label", "framing",
-                 "protocol", "max_reply_size", "stream_threshold", "_probe", "_stream_left")
+                 "protocol", "max_reply_size", "stream_threshold", "_probe", "_stream_left", "paused")
 
     def __init__(self, pool, framing: Framing, protocol: Protocol, max_reply_size: int,
                  stream_threshold: int = 0) -> None:
@@ -124,6 +124,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.stream_threshold = stream_threshold if framing is not Framing.BUFFERED else 0
         self._probe: bytes | None = None   # first bytes of a reply, while deciding whether to stream
         self._stream_left = 0              # bytes of a streaming reply still to pass on
+        self.paused = False                # reading paused by a streaming client's backpressure
 
     # -- asyncio.Protocol -----------------------------------------------------
 
@@ -231,15 +232,17 @@ class UpstreamConnection(asyncio.Protocol):
             log.info("upstream %s sent bytes past its reply; closing that connection", self.label)
             self._discard()
         else:
-            self.pool.release(self)
+            self.pool.release(self)  # resumes our reading if backpressure paused it
         ex.stream_end()
 
     def pause_reading(self) -> None:
         if self.transport is not None and not self.closed:
+            self.paused = True
             self.transport.pause_reading()
 
     def resume_reading(self) -> None:
         if self.transport is not None and not self.closed:
+            self.paused = False
             self.transport.resume_reading()
 
     def eof_received(self) -> bool:

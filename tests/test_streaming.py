@@ -191,3 +191,27 @@ def test_upstream_reset_mid_stream_closes_only_that_client():
             assert stats["errors"] >= 1
     finally:
         up.close()
+
+
+def test_a_connection_paused_by_backpressure_is_resumed_before_reuse():
+    """A stream's last chunk can be the write that pauses the client transport, which pauses the
+    upstream connection's reading as the stream ends: the pool must not lend it out paused."""
+    up = ThriftServer()
+    try:
+        text = _big_config(up.address, extra_cluster="\n    pool: {max_connections: 1}")
+        with Proxy(text) as p:
+            with client(p.port()) as c:
+                assert c.lookup("first") == "upstream:first"
+                (ep,) = p.server.clusters["up"].endpoints
+                (pool,) = ep.pools.values()
+
+                def pause_and_release():
+                    conn = pool.try_acquire()
+                    conn.pause_reading()  # what backpressure does mid-stream
+                    pool.release(conn)    # what the end of the stream does
+
+                p.call(pause_and_release)
+                assert c.lookup("second") == "upstream:second"  # the same, only connection
+                assert pool.stats["connects"] == 1
+    finally:
+        up.stop()
