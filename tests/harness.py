@@ -45,6 +45,19 @@ HEADER_TYPES = [THeaderTransport.THeaderClientType.HEADERS,
                 THeaderTransport.THeaderClientType.UNFRAMED_COMPACT]
 
 
+def proc_status(pid: int, key: str) -> int:
+    """A /proc/PID/status field in KiB (VmRSS, VmHWM): the proxy's memory, measured from outside."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

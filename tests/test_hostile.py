@@ -34,6 +34,8 @@ from harness import (
     app_exception,
     client,
     free_port,
+    open_fds,
+    proc_status,
     read_messages,
     request_bytes,
 )
@@ -42,19 +44,6 @@ from proxy.codec import MessageType
 MiB = 1024 * 1024
 READ_TIMEOUT = 2.0   # request_read_timeout in the config below (also the write-stall bound)
 MAX_CONNECTIONS = 1000
-
-
-def proc_status(pid: int, key: str) -> int:
-    """A /proc/PID/status field in KiB (VmRSS, VmHWM)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-
-def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def config(upstream: str, framed: int, buffered: int, admin: int) -> str:

@@ -47,7 +47,7 @@ for p in (ROOT, ROOT / "tests", ROOT / "tests" / "gen"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from harness import ProxyProcess, ThriftServer, client, free_port  # noqa: E402
+from harness import ProxyProcess, ThriftServer, client, free_port, open_fds, proc_status  # noqa: E402
 from sidecar_test.ttypes import NotFound  # noqa: E402
 from thrift.Thrift import TApplicationException  # noqa: E402
 
@@ -91,20 +91,6 @@ clusters:
     circuit_breaker: {{consecutive_failures: 3, open_for: 500ms, max_open_for: 2s, max_open_percent: 67}}
     retry_budget: {{ratio: 0.5, min_per_second: 200, window: 10s}}
 """
-
-
-def proc_kb(pid: int, key: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise KeyError(key)
-
-
-def open_fds(pid: int) -> int:
-    import os
-
-    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 class Tally:
@@ -358,7 +344,7 @@ def run(duration: float, connections: int = 8, seed: int = 1, warmup: float | No
         while True:
             now = time.monotonic()
             t = now - t0
-            samples.append((t, proc_kb(pid, "VmRSS"), *_fds(pid, admin)))
+            samples.append((t, proc_status(pid, "VmRSS"), *_fds(pid, admin)))
             if now >= next_log:
                 with tally.lock:
                     total = sum(tally.calls.values())
