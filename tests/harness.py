@@ -505,6 +505,19 @@ def read_messages(sock: socket.socket, count: int, framing=None, protocol=None, 
     return out
 
 
+def oneway_as_call_then_call(port: int):
+    """Send log_event as a CALL (as Apache Thrift Go does for oneway methods), then count() on the
+    same connection; return the one reply. A proxy that waits for log_event's reply blocks here."""
+    from proxy.codec import MessageType
+
+    call_bytes = bytearray(request_bytes("framed", "binary", "log_event", "as-call", seqid=3))
+    call_bytes[4 + 3] = MessageType.CALL  # the type byte of the strict binary head
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(bytes(call_bytes) + request_bytes("framed", "binary", "count", "as-call", seqid=4))
+        (reply,) = read_messages(s, 1, timeout=5)
+    return reply
+
+
 def app_exception(msg):
     """Decode the TApplicationException carried by an EXCEPTION message."""
     from thrift.Thrift import TApplicationException

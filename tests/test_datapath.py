@@ -10,6 +10,7 @@ import pytest
 from thrift.Thrift import TApplicationException
 
 from harness import (
+    oneway_as_call_then_call,
     FRAMINGS,
     PROTOCOLS,
     NotFound,
@@ -260,11 +261,7 @@ def test_oneway_methods_sent_as_call_do_not_block():
     try:
         text = config_text([up.address], extra_listener="\n    oneway_methods: [log_event]")
         with Proxy(text) as p:
-            call_bytes = bytearray(request_bytes("framed", "binary", "log_event", "as-call", seqid=3))
-            call_bytes[4 + 3] = MessageType.CALL  # the type byte of the strict binary head
-            with socket.create_connection(("127.0.0.1", p.port())) as s:
-                s.sendall(bytes(call_bytes) + request_bytes("framed", "binary", "count", "as-call", seqid=4))
-                (r,) = read_messages(s, 1, timeout=5)
+            r = oneway_as_call_then_call(p.port())
             assert r.seqid == 4 and r.type == MessageType.REPLY
     finally:
         up.stop()

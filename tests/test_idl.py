@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from harness import (
+    oneway_as_call_then_call,
     ROOT,
     Handler,
     Proxy,
@@ -22,8 +22,6 @@ from harness import (
     Unavailable,
     client,
     config_text,
-    read_messages,
-    request_bytes,
 )
 from proxy import config as cfgmod
 from proxy.codec import MessageType
@@ -284,11 +282,7 @@ def test_oneway_from_the_idl_sent_as_call_does_not_block(monkeypatch):
     up = ThriftServer()
     try:
         with _proxy(config_text([up.address], extra_listener=IDL_KEY), monkeypatch) as p:
-            call_bytes = bytearray(request_bytes("framed", "binary", "log_event", "as-call", seqid=3))
-            call_bytes[4 + 3] = MessageType.CALL  # the type byte of the strict binary head
-            with socket.create_connection(("127.0.0.1", p.port())) as s:
-                s.sendall(bytes(call_bytes) + request_bytes("framed", "binary", "count", "as-call", seqid=4))
-                (r,) = read_messages(s, 1, timeout=5)
+            r = oneway_as_call_then_call(p.port())
             assert r.seqid == 4 and r.type == MessageType.REPLY
     finally:
         up.stop()
