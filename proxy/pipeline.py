@@ -278,6 +278,8 @@ class Pipeline:
             outcome = calls.DECLARED_EXCEPTION
         else:
             outcome = calls.SUCCESS
+        if outcome != calls.SUCCESS and self._would_retry(call, attempt, outcome, head.result_field):
+            return False  # read it whole, so that it can be retried
         call.streamed = True
         call.outcome = outcome
         call.result_field = head.result_field
@@ -359,6 +361,12 @@ class Pipeline:
             policy = RetryPolicy(s.retry, s.retry_buffer, self.exception_ids) if s is not None else None
             self._policies[key] = policy
             return policy
+
+    def _would_retry(self, call: Call, attempt: Attempt, outcome: str, field: int | None) -> bool:
+        """The retry policy alone (not limits or budget) would retry this outcome."""
+        policy = self._policy(call.route)
+        return policy is not None and policy.decide(outcome, attempt.number, call.msg.method,
+                                                    call.request_size, field)[0]
 
     def _retry(self, call: Call, attempt: Attempt, outcome: str, field: int | None) -> bool:
         """Start a backoff before another attempt, if policy, limits and budget all allow it."""

@@ -29,7 +29,7 @@ class PoolSettings:
     acquire_timeout: float = 1.0
     connect_timeout: float = 0.25
     max_reply_size: int = 16_384_000
-    stream_threshold: int = 1 << 20   # larger replies stream to the client as they arrive
+    stream_threshold: int = 64 << 10  # larger replies stream to the client as they arrive
 
 
 class Waiter:

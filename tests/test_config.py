@@ -111,7 +111,7 @@ def test_defaults_are_the_documented_ones():
     c = cfg.clusters[0]
     assert (c.transport, c.protocol, c.load_balancer) == (None, None, "least_request")
     assert c.connect_timeout == 0.25
-    assert (c.max_reply_size, c.stream_threshold) == (16_384_000, 1024 * 1024)
+    assert (c.max_reply_size, c.stream_threshold) == (16_384_000, 64 * 1024)
     assert (c.pool.max_connections, c.pool.idle_timeout, c.pool.acquire_timeout) == (64, 30.0, 1.0)
     assert (c.limits.max_pending, c.limits.max_requests, c.limits.max_retries) == (256, 1024, 16)
     b = c.circuit_breaker

@@ -182,3 +182,76 @@ def test_a_connection_paused_by_backpressure_is_resumed_before_reuse():
                 assert pool.stats["connects"] == 1
     finally:
         up.stop()
+
+
+class BigExceptionUpstream:
+    """A raw upstream answering every framed binary call with a declared exception (result
+    field 2) carrying `size` bytes, sent in two pieces 50 ms apart (so it cannot arrive in one
+    read and would stream if the proxy let it)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.calls = 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(c,), daemon=True).start()
+
+    def _one(self, c: socket.socket) -> None:
+        with c:
+            while True:
+                hdr = c.recv(4, socket.MSG_WAITALL)
+                if len(hdr) < 4:
+                    return
+                req = c.recv(struct.unpack("!i", hdr)[0], socket.MSG_WAITALL)
+                self.calls += 1
+                nlen = struct.unpack("!i", req[4:8])[0]
+                name, seqid = req[8:8 + nlen], req[8 + nlen:12 + nlen]
+                head = struct.pack("!I", 0x80010002) + struct.pack("!i", len(name)) + name + seqid
+                # field 2 (Unavailable) { 1: string reason } then the result struct's stop
+                body = (b"\x0c" + struct.pack("!h", 2) + b"\x0b" + struct.pack("!h", 1)
+                        + struct.pack("!i", self.size) + b"r" * self.size + b"\x00" + b"\x00")
+                frame = struct.pack("!i", len(head) + len(body)) + head + body
+                c.sendall(frame[:1000])
+                time.sleep(0.05)
+                c.sendall(frame[1000:])
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_large_retryable_exception_is_read_whole_and_retried():
+    """Over stream_threshold, but an exception the route retries: not streamed, so retried."""
+    bad = BigExceptionUpstream(300_000)
+    good = ThriftServer()
+    text = config_text([f"127.0.0.1:{bad.port}", good.address]).replace(
+        "      - cluster: up", "      - cluster: up\n        retry: {attempts: 2, idempotent: [lookup], "
+        "on_exceptions: [2], backoff: {base: 1ms, max: 2ms}}")
+    assert "on_exceptions" in text
+    try:
+        with Proxy(text) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            with client(p.port()) as c:
+                for i in range(6):
+                    assert c.lookup(f"k{i}") == f"upstream:k{i}"
+            time.sleep(0.2)
+    finally:
+        bad.close()
+        good.stop()
+    assert bad.calls >= 2, "round robin sent first attempts to the exception-throwing upstream"
+    lookups = [call for call in done if call.msg.name == "lookup"]
+    assert len(lookups) == 6
+    retried = [call for call in lookups if len(call.attempts) == 2]
+    assert len(retried) == bad.calls
+    assert all(call.attempts[0].outcome == "declared_exception" for call in retried)
+    assert not any(call.streamed for call in lookups)
