@@ -1,10 +1,13 @@
 """Traces of calls: which calls become spans, and building those spans after the call.
 
 Owns: the per-call tracing API the pipeline and listener call, the export decision (head
-sampled, slow, failed), and turning a finished Call's timestamps into finished OpenTelemetry
-spans (`ReadableSpan`), built in the export thread. Leaves to others: taking the timestamps
-(listener, pipeline, pool), trace context on the wire (`proxy.tracecontext`), the export queue
-and the exporters (`proxy.exporter`), histograms (`proxy.metrics`), names (`proxy.spans`).
+sampled, slow, failed), and turning a finished Call's timestamps into its spans, in the export
+thread: one plan of plain tuples (`plan`), made into OpenTelemetry `ReadableSpan`s for SDK
+exporters (`build_spans`) or written straight as OTLP protobuf for the OTLP exporter
+(`encode_call`, ~8x cheaper: no ReadableSpan, no SDK encoder). Leaves to others: taking the
+timestamps (listener, pipeline, pool), trace context on the wire (`proxy.tracecontext`), the
+export queue and the exporters (`proxy.exporter`, `proxy.otlp_transport`), the protobuf wire
+format (`proxy.otlp`), histograms (`proxy.metrics`), names (`proxy.spans`).
 
 Why not the SDK tracer: a tracer span costs ~17 µs here; a call has 8+ of them. So nothing
 traces *during* a call: the call keeps monotonic timestamps (`proxy.calls`), and only a call
@@ -45,7 +48,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
-from proxy import __version__, spans
+from proxy import __version__, otlp, spans
 from proxy.calls import DECLARED_EXCEPTION, SUCCESS
 from proxy.exporter import ExportQueue, make_exporter
 from proxy.metrics import INVALID, call_end, call_outcome, is_failure
@@ -64,6 +67,8 @@ _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _UNSAMPLED = TraceFlags(TraceFlags.DEFAULT)
 _UNSET = Status(StatusCode.UNSET)
 _OK_ATTEMPT = frozenset((SUCCESS, DECLARED_EXCEPTION))
+INTERNAL, SERVER, CLIENT = otlp.KIND_INTERNAL, otlp.KIND_SERVER, otlp.KIND_CLIENT
+_SPAN_KIND = {INTERNAL: SpanKind.INTERNAL, SERVER: SpanKind.SERVER, CLIENT: SpanKind.CLIENT}
 
 
 class _Resource(Resource):
@@ -101,10 +106,19 @@ class Telemetry:
         detected = Resource.create({"service.name": name})  # + OTEL_RESOURCE_ATTRIBUTES, SDK info
         self.resource = _Resource(detected.attributes, detected.schema_url)
         self.scope = InstrumentationScope(spans.INSTRUMENTATION_SCOPE, __version__, spans.SCHEMA_URL)
+        scope = self.scope
+        self.otlp = otlp.Encoder(self.resource.attributes, self.resource.schema_url, scope.name, scope.version,
+                                 scope.schema_url, scope.attributes)  # for encode_call (the export thread)
         if exporter is None:
             exporter = make_exporter(tracing)
         self.exporter = exporter
-        self.queue = ExportQueue(exporter, self._build_item, **queue_options) if exporter is not None else None
+        self.queue = None
+        if getattr(exporter, "export_request", None) is not None:
+            # an exporter that sends whole encoded OTLP requests: the spans go straight from the
+            # call's timestamps to protobuf bytes (`encode_call`), never through ReadableSpan
+            self.queue = ExportQueue(exporter, self._encode_item, export=self._export_encoded, **queue_options)
+        elif exporter is not None:
+            self.queue = ExportQueue(exporter, self._build_item, **queue_options)
 
     # -- per call, on the loop ---------------------------------------------------------------
 
@@ -190,28 +204,67 @@ class Telemetry:
         call, service, listener, reason = item
         return self.build_spans(call, service, listener, reason)
 
-    def _span(self, name, ctx, parent, kind, t0, t1, attrs=None, status=_UNSET) -> ReadableSpan:
-        off = self.offset_ns
-        # positional: (name, context, parent, resource, attributes, events, links, kind,
-        # instrumentation_info, status, start_time, end_time, instrumentation_scope)
-        return ReadableSpan(name, ctx, parent, self.resource, attrs, (), (), kind, None, status,
-                            t0 + off, t1 + off, self.scope)
+    def _encode_item(self, item) -> list[bytes]:
+        call, service, listener, reason = item
+        return [self.encode_call(call, service, listener, reason)]
+
+    def _export_encoded(self, chunks: list[bytes]):
+        return self.exporter.export_request(self.otlp.request(chunks))
 
     def build_spans(self, call, service: str, listener: str | None = None,
                     reason: str | None = None) -> list[ReadableSpan]:
         """The finished spans of one finished call: SERVER first, then its descendants."""
-        ids = self._ids
+        trace_id, tracestate, parent_sampled, plan = self.plan(call, service, listener, reason)
+        state = TraceState.from_header([tracestate]) if tracestate else None
+        resource, scope = self.resource, self.scope
+        contexts: dict[int, SpanContext] = {}
+        out = []
+        for name, span_id, parent_id, remote, kind, t0, t1, attrs, error in plan:
+            ctx = contexts[span_id] = SpanContext(trace_id, span_id, False, _SAMPLED, state)
+            if not parent_id:
+                parent = None
+            elif remote:
+                parent = SpanContext(trace_id, parent_id, True, _SAMPLED if parent_sampled else _UNSAMPLED, state)
+            else:
+                parent = contexts[parent_id]
+            status = _UNSET if error is None else Status(StatusCode.ERROR, error)
+            # positional: (name, context, parent, resource, attributes, events, links, kind,
+            # instrumentation_info, status, start_time, end_time, instrumentation_scope)
+            out.append(ReadableSpan(name, ctx, parent, resource, attrs, (), (), _SPAN_KIND[kind], None, status,
+                                    t0, t1, scope))
+        return out
+
+    def encode_call(self, call, service: str, listener: str | None = None, reason: str | None = None) -> bytes:
+        """The same spans as `build_spans`, as OTLP protobuf `ScopeSpans.spans` fields (`proxy.otlp`).
+
+        The OTLP exporter's path: no ReadableSpan, no SDK encoder (~8x cheaper per call).
+        """
+        trace_id, tracestate, _, plan = self.plan(call, service, listener, reason)
+        # the trace state as the SDK's encoder writes it: parsed (invalid entries dropped), re-joined
+        state = ",".join(f"{k}={v}" for k, v in TraceState.from_header([tracestate]).items()) if tracestate else None
+        trace = otlp.trace_prefix(trace_id, state)
+        encode = self.otlp.span
+        return b"".join([encode(trace, span_id, parent_id, remote, name, kind, t0, t1, attrs, error)
+                         for name, span_id, parent_id, remote, kind, t0, t1, attrs, error in plan])
+
+    def plan(self, call, service: str, listener: str | None = None, reason: str | None = None):
+        """What the spans of one finished call are, as plain tuples (the one place that decides).
+
+        Returns `(trace_id, tracestate header or None, parent_sampled, spans)`; each span is
+        `(name, span_id, parent_id, remote_parent, otlp kind, start, end, attributes, error)`
+        with epoch-ns times, `parent_id` 0 for a root and `error` None for status UNSET, else
+        the ERROR status message. SERVER first, then its descendants (parents before children).
+        """
+        rand = self._ids.getrandbits  # new_id(self._ids), inlined: ~9 ids per call
+        off = self.offset_ns
         ctx = call.trace
         if ctx is None:
-            trace_id, server_id, parent_id, state, new_trace = new_id(ids, 128), new_id(ids), 0, None, True
-            parent_flags = _UNSAMPLED
+            trace_id, server_id, parent_id, tracestate, new_trace = rand(128) or 1, rand(64) or 1, 0, None, True
+            parent_sampled = False
         else:
             trace_id, server_id, parent_id, new_trace = ctx.trace_id, ctx.span_id, ctx.parent_span_id, ctx.new_trace
-            state = TraceState.from_header([ctx.tracestate]) if ctx.tracestate else None
-            parent_flags = _SAMPLED if ctx.parent_sampled else _UNSAMPLED
-
-        def context(span_id: int) -> SpanContext:
-            return SpanContext(trace_id, span_id, False, _SAMPLED, state)
+            tracestate = ctx.tracestate or None
+            parent_sampled = bool(ctx.parent_sampled)
 
         msg = call.msg
         if msg is not None:
@@ -222,12 +275,9 @@ class Telemetry:
         name = spans.call_span_name(svc, method)
         outcome = call_outcome(call)
         failed = is_failure(call, outcome)
-        SERVER, INTERNAL = SpanKind.SERVER, SpanKind.INTERNAL
 
         t_start = call.t_start
         t_end = call_end(call)
-        server_ctx = context(server_id)
-        remote_parent = SpanContext(trace_id, parent_id, True, parent_flags, state) if parent_id else None
 
         # SERVER attributes
         attempts = list(call.attempts)
@@ -255,26 +305,28 @@ class Telemetry:
             a[spans.UPSTREAM_WAIT_MS] = _ms(call.upstream_wait_ns)
         if call.loop_lag_ns:
             a[spans.LOOP_LAG_MS] = _ms(call.loop_lag_ns)
-        status = _UNSET
+        error = None
         if failed:
             a[spans.ERROR_TYPE] = call.error_type or outcome
             if call.error is not None:
                 a[spans.ERROR_MESSAGE] = call.error
-            status = Status(StatusCode.ERROR, call.error or outcome)
-        out = [self._span(name, server_ctx, remote_parent, SERVER, t_start, t_end, a, status)]
+            error = call.error or outcome
+        out = [(name, server_id, parent_id, parent_id != 0, SERVER, t_start + off, t_end + off, a, error)]
 
         # children of SERVER
         t_framed = call.t_framed
         if t_framed >= t_start and t_framed:
-            out.append(self._span(spans.READ_REQUEST, context(new_id(ids)), server_ctx, INTERNAL, t_start, t_framed))
+            out.append((spans.READ_REQUEST, (rand(64) or 1), server_id, False, INTERNAL, t_start + off, t_framed + off,
+                        None, None))
         for i, att in enumerate(attempts):
-            self._attempt_spans(out, att, i, attempts, call, svc, method, name, server_ctx, context, ids)
+            self._attempt_plan(out, att, i, attempts, call, svc, method, name, server_id, rand, off)
         for b0, b1 in list(call.backoffs):
             if b0 and b1 >= b0:
-                out.append(self._span(spans.BACKOFF, context(new_id(ids)), server_ctx, INTERNAL, b0, b1))
+                out.append((spans.BACKOFF, (rand(64) or 1), server_id, False, INTERNAL, b0 + off, b1 + off, None, None))
         t_done, t_write = call.t_done, call.t_write
         if t_done and t_write > t_done and call.waited:
-            out.append(self._span(spans.QUEUED, context(new_id(ids)), server_ctx, INTERNAL, t_done, t_write))
+            out.append((spans.QUEUED, (rand(64) or 1), server_id, False, INTERNAL, t_done + off, t_write + off,
+                        None, None))
         t_acked, t_handed = call.t_acked, call.t_handed
         w0 = t_write or (t_done if t_handed else 0)
         w1 = t_acked or t_handed
@@ -284,10 +336,11 @@ class Telemetry:
                 wa[spans.HANDED_MS] = _ms(t_handed - w0)
             if call.never_read:
                 wa[spans.CLIENT_NEVER_READ] = True
-            out.append(self._span(spans.WRITE_RESPONSE, context(new_id(ids)), server_ctx, INTERNAL, w0, w1, wa))
-        return out
+            out.append((spans.WRITE_RESPONSE, (rand(64) or 1), server_id, False, INTERNAL, w0 + off, w1 + off, wa, None))
+        return trace_id, tracestate, parent_sampled, out
 
-    def _attempt_spans(self, out, att, i, attempts, call, svc, method, name, server_ctx, context, ids) -> None:
+    @staticmethod
+    def _attempt_plan(out, att, i, attempts, call, svc, method, name, server_id, rand, off) -> None:
         t0 = att.t_acquire
         if not t0:
             return
@@ -319,24 +372,24 @@ class Telemetry:
             a[spans.REQUEST_SIZE] = len(call.msg.data)
         if att.reply_size:
             a[spans.REPLY_SIZE] = att.reply_size
-        status = _UNSET
+        error = None
         if outcome is not None and outcome not in _OK_ATTEMPT:
             a[spans.ERROR_TYPE] = outcome
             if att.error is not None:
                 a[spans.ERROR_MESSAGE] = att.error
-            status = Status(StatusCode.ERROR, att.error or outcome)
-        client_ctx = context(att.span_id or new_id(ids))
-        out.append(self._span(name, client_ctx, server_ctx, SpanKind.CLIENT, t0, t1, a, status))
-        INTERNAL = SpanKind.INTERNAL
+            error = att.error or outcome
+        client_id = att.span_id or (rand(64) or 1)
+        out.append((name, client_id, server_id, False, CLIENT, t0 + off, t1 + off, a, error))
         if t_acquired >= t0 and t_acquired:
-            out.append(self._span(spans.ACQUIRE, context(new_id(ids)), client_ctx, INTERNAL, t0, t_acquired))
+            out.append((spans.ACQUIRE, (rand(64) or 1), client_id, False, INTERNAL, t0 + off, t_acquired + off,
+                        None, None))
             if t_written >= t_acquired:
-                out.append(self._span(spans.WRITE_UPSTREAM, context(new_id(ids)), client_ctx, INTERNAL,
-                                      t_acquired, t_written))
+                out.append((spans.WRITE_UPSTREAM, (rand(64) or 1), client_id, False, INTERNAL, t_acquired + off,
+                            t_written + off, None, None))
                 s1 = t_first or t_reply
                 if s1 >= t_written:
-                    out.append(self._span(spans.SERVICE_TIME, context(new_id(ids)), client_ctx, INTERNAL,
-                                          t_written, s1))
+                    out.append((spans.SERVICE_TIME, (rand(64) or 1), client_id, False, INTERNAL, t_written + off,
+                                s1 + off, None, None))
                     if t_first and t_reply >= t_first:
-                        out.append(self._span(spans.READ_RESPONSE, context(new_id(ids)), client_ctx, INTERNAL,
-                                              t_first, t_reply))
+                        out.append((spans.READ_RESPONSE, (rand(64) or 1), client_id, False, INTERNAL, t_first + off,
+                                    t_reply + off, None, None))

@@ -25,6 +25,7 @@ from proxy import spans
 from proxy.exporter import (ExportQueue, JsonLinesSpanExporter, encode_json_line, encode_json_line_reference,
                            make_exporter)
 from proxy.metrics import Metrics
+from proxy.otlp_transport import OtlpExporter
 from proxy.telemetry import Telemetry
 
 import test_telemetry_fixtures as fx
@@ -104,6 +105,41 @@ def test_batch_size_wakes_the_worker_before_the_interval():
         assert q.exported == 50
     finally:
         q.shutdown(2.0)
+
+
+def test_whole_batches_go_at_once_a_partial_one_at_the_tick_or_on_flush():
+    """Under load the worker must not chase every new call with a small export (each costs a request)."""
+    memory = InMemorySpanExporter()
+    batches = []
+
+    def export(items):
+        batches.append(len(items))
+        return memory.export(items)
+
+    q = ExportQueue(memory, one_span, capacity=1000, batch_size=10, interval=30.0, export=export)
+    try:
+        time.sleep(0.05)  # the worker waits on its 30 s interval
+        for i in range(25):
+            q.submit(i)
+        deadline = time.monotonic() + 5.0
+        while q.exported < 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert q.exported == 20 and q.size == 5 and batches == [10, 10]  # the 5 wait for a tick
+        assert q.flush(5.0)
+        assert q.exported == 25 and batches == [10, 10, 5]
+    finally:
+        q.shutdown(2.0)
+    ticked = ExportQueue(InMemorySpanExporter(), one_span, batch_size=10, interval=0.05)
+    try:
+        for i in range(3):
+            ticked.submit(i)
+        deadline = time.monotonic() + 5.0
+        while ticked.exported < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ticked.exported == 3  # no flush: the interval tick sends a partial batch
+    finally:
+        ticked.shutdown(2.0)
 
 
 def test_build_and_export_failures_are_counted():
@@ -201,11 +237,12 @@ def test_make_exporter_by_config(tmp_path):
     console = make_exporter(cfg(exporter="console"))
     assert type(console).__name__ == "ConsoleSpanExporter"
     grpc = make_exporter(cfg(exporter="otlp", endpoint="http://127.0.0.1:4317"))
-    assert type(grpc).__module__.endswith("grpc.trace_exporter")
+    assert isinstance(grpc, OtlpExporter)
+    assert (grpc.settings.protocol, grpc.settings.target, grpc.settings.insecure) == ("grpc", "127.0.0.1:4317", True)
     grpc.shutdown()
     http = make_exporter(cfg(exporter="otlp", otlp_protocol="http", endpoint="http://127.0.0.1:4318"))
-    assert type(http).__module__.endswith("http.trace_exporter")
-    assert http._endpoint == "http://127.0.0.1:4318/v1/traces"
+    assert isinstance(http, OtlpExporter)
+    assert (http.settings.protocol, http.settings.target) == ("http", "http://127.0.0.1:4318/v1/traces")
     http.shutdown()
     jsonl = make_exporter(cfg(exporter="jsonl", path=tmp_path / "x.jsonl"))
     assert isinstance(jsonl, JsonLinesSpanExporter)

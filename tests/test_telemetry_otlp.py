@@ -1,0 +1,389 @@
+"""The direct OTLP path: protobuf written from the calls (`proxy.otlp`) and sent (`proxy.otlp_transport`).
+
+Invariant (equivalence): for every span shape telemetry builds, the bytes of
+`Telemetry.otlp.request([Telemetry.encode_call(call)])` parse (`ExportTraceServiceRequest.FromString`)
+into a message equal to the SDK's `encode_spans(Telemetry.build_spans(call))` — two Telemetry
+objects with the same seed and clock offset draw the same span ids. Attribute values of every
+type (hypothesis) encode as the SDK encodes them.
+
+Transport: a real gRPC server (generic handler, raw bytes) and a real HTTP server on 127.0.0.1
+record what arrives; retries (UNAVAILABLE, 503), give-ups (non-retryable, deadline, shutdown,
+nothing listening) return FAILURE without raising.
+"""
+
+from __future__ import annotations
+
+import gzip
+import http.server
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import grpc
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExportResult
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+from proxy import otlp, spans
+from proxy.otlp_transport import GRPC_METHOD, OtlpExporter, Settings
+from proxy.telemetry import Telemetry
+
+import test_telemetry_fixtures as fx
+
+OFFSET = 1_700_000_000_000_000_000 - fx.BASE
+PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-{flags}"
+
+
+def tracing(ratio=1.0, name="sidecar-otlp"):
+    return SimpleNamespace(service_name=name, exporter="none", sample_ratio=ratio)
+
+
+def pair(ratio=1.0, seed=7):
+    """Two telemetries that draw the same ids: one builds ReadableSpans, one encodes directly."""
+    return (Telemetry(tracing(ratio), clock_offset_ns=OFFSET, rng=random.Random(seed), exporter=None),
+            Telemetry(tracing(ratio), clock_offset_ns=OFFSET, rng=random.Random(seed), exporter=None))
+
+
+def with_parent(flags: str, tracestate: str | None = "vendor=abc, other=x", **kw):
+    headers = {"traceparent": PARENT.format(flags=flags)}
+    if tracestate:
+        headers["tracestate"] = tracestate
+    return fx.call_success(fx.FakeMsg(headers=headers), **kw)
+
+
+def shapes(t: Telemetry):
+    """(label, call, reason) for every shape the builder makes; begin() sets trace context once."""
+    sampled_parent = with_parent("01")
+    t.begin(sampled_parent)
+    # kept: slow; the client said "not sampled"; an invalid member: the SDK drops the whole state
+    slow_unsampled = with_parent("00", "vendor=abc,bad entry", slow_call=0.005)
+    t.begin(slow_unsampled)
+    failed_unsampled = fx.call_timeout()                  # kept: failed (ratio 0 elsewhere)
+    failed_unsampled.msg = fx.FakeMsg(headers={"traceparent": PARENT.format(flags="00")})
+    t.begin(failed_unsampled)
+    streamed = fx.call_streamed()
+    streamed.loop_lag_ns = 93_500_000
+    never = fx.call_success()
+    never.t_acked, never.never_read = 0, True
+    multiplexed = fx.call_success(fx.FakeMsg("Users:get_user"))
+    no_msg = fx.call_success()
+    no_msg.msg = None
+    proxy_error = fx.call_success()
+    proxy_error.error = "not sent: no endpoint available"
+    proxy_error.outcome = "not_sent"
+    abandoned = fx.call_retry()
+    abandoned.attempts[1].t_acquired = abandoned.attempts[1].t_written = 0
+    abandoned.attempts[1].t_first_reply = abandoned.attempts[1].t_reply = 0
+    return [("success", fx.call_success(), "head"), ("declared", fx.call_declared(), "head"),
+            ("retry", fx.call_retry(), "head"), ("timeout", fx.call_timeout(), "failed"),
+            ("queued", fx.call_queued(), "head"), ("oneway", fx.call_oneway(), "head"),
+            ("streamed", streamed, "head"), ("remote parent", sampled_parent, None),
+            ("slow unsampled", slow_unsampled, None), ("failed unsampled", failed_unsampled, None),
+            ("never read", never, "head"), ("multiplexed", multiplexed, "head"), ("no message", no_msg, "head"),
+            ("proxy error", proxy_error, None), ("abandoned attempt", abandoned, "head")]
+
+
+def test_every_span_shape_encodes_as_the_sdk_encodes_it():
+    ref, fast = pair()
+    encoder = fast.otlp
+    for label, call, reason in shapes(ref):
+        built = ref.build_spans(call, "UserService", "users", reason)
+        expected = encode_spans(built)
+        data = encoder.request([fast.encode_call(call, "UserService", "users", reason)])
+        got = ExportTraceServiceRequest.FromString(data)
+        assert got == expected, label
+        assert len(got.resource_spans[0].scope_spans[0].spans) == len(built), label
+        assert all(s.context.trace_flags.sampled for s in built), label  # what the SDK's processors need
+
+
+def test_a_batch_of_calls_is_one_resource_and_one_scope():
+    ref, fast = pair(seed=9)
+    calls = [(call, reason) for _, call, reason in shapes(ref)]
+    built = [s for call, reason in calls for s in ref.build_spans(call, "UserService", "users", reason)]
+    data = fast.otlp.request([fast.encode_call(c, "UserService", "users", r) for c, r in calls])
+    got = ExportTraceServiceRequest.FromString(data)
+    assert got == encode_spans(built)
+    (rs,) = got.resource_spans
+    (ss,) = rs.scope_spans
+    assert ss.scope.name == spans.INSTRUMENTATION_SCOPE and ss.schema_url == spans.SCHEMA_URL
+    assert {kv.key: kv.value.string_value for kv in rs.resource.attributes}["service.name"] == "sidecar-otlp"
+    assert len(ss.spans) == len(built) > 100
+
+
+def test_remote_parent_and_trace_state_on_the_wire():
+    t = Telemetry(tracing(0.0), clock_offset_ns=OFFSET, rng=random.Random(3), exporter=None)
+    call = with_parent("00", slow_call=0.005)
+    t.begin(call)
+    got = ExportTraceServiceRequest.FromString(t.otlp.request([t.encode_call(call, "UserService")]))
+    out = got.resource_spans[0].scope_spans[0].spans
+    server = out[0]
+    assert server.kind == server.SPAN_KIND_SERVER
+    assert server.parent_span_id == bytes.fromhex("00f067aa0ba902b7")
+    assert server.flags == 0x300  # has-is-remote | is-remote
+    assert server.trace_state == "vendor=abc,other=x"  # as the SDK writes it: parsed and re-joined
+    assert all(s.flags == 0x100 for s in out[1:])
+    assert {kv.key: kv.value.string_value for kv in server.attributes}[spans.SAMPLED_BY] == "slow"
+
+
+VALUES = st.one_of(
+    st.text(max_size=300), st.booleans(), st.integers(-(2 ** 63), 2 ** 63 - 1),
+    st.floats(allow_nan=False), st.binary(max_size=40), st.none(),
+    st.lists(st.one_of(st.text(max_size=10), st.integers(-(2 ** 63), 2 ** 63 - 1)), max_size=4))
+
+
+@settings(max_examples=200, deadline=None)
+@given(attrs=st.dictionaries(st.text(min_size=1, max_size=150), VALUES, max_size=6),
+       name=st.text(max_size=200), error=st.one_of(st.none(), st.text(max_size=200)),
+       remote=st.booleans(), parent=st.integers(0, 2 ** 64 - 1), kind=st.sampled_from([1, 2, 3]))
+def test_any_attribute_value_encodes_as_the_sdk_encodes_it(attrs, name, error, remote, parent, kind):
+    """A span from Encoder.span parses into the Span the SDK encodes from the same ReadableSpan."""
+    trace_id, span_id = 0x0123456789ABCDEF0123456789ABCDEF, 0x1122334455667788
+    ctx = SpanContext(trace_id, span_id, False, TraceFlags(1))
+    parent_ctx = SpanContext(trace_id, parent, remote, TraceFlags(1)) if parent else None
+    status = Status(StatusCode.UNSET) if error is None else Status(StatusCode.ERROR, error)
+    kinds = {1: SpanKind.INTERNAL, 2: SpanKind.SERVER, 3: SpanKind.CLIENT}
+    resource = Resource({"service.name": "x", "n": 3})
+    scope = InstrumentationScope("s", "1.0", "https://schema")
+    span = ReadableSpan(name, ctx, parent_ctx, resource, dict(attrs), (), (), kinds[kind], None, status,
+                        1_700_000_000_000_000_001, 1_700_000_000_000_000_999, scope)
+    encoder = otlp.Encoder(resource.attributes, resource.schema_url, "s", "1.0", "https://schema")
+    chunk = encoder.span(otlp.trace_prefix(trace_id), span_id, parent, remote and bool(parent), name, kind,
+                         span.start_time, span.end_time, dict(attrs), error)
+    got = ExportTraceServiceRequest.FromString(encoder.request([chunk]))
+    assert got == encode_spans([span])
+
+
+# -- transport ------------------------------------------------------------------------------
+
+
+class GrpcReceiver:
+    """A TraceService/Export server taking raw bytes; `fail` codes are answered first, in order."""
+
+    def __init__(self, fail=()):
+        self.requests: list[bytes] = []
+        self.metadata: list[dict] = []
+        self.fail = list(fail)
+        self.server = grpc.server(ThreadPoolExecutor(2))
+        service, method = GRPC_METHOD.strip("/").split("/")
+        handler = grpc.unary_unary_rpc_method_handler(self._export)  # no (de)serializers: bytes
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, {method: handler}),))
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def _export(self, request: bytes, context):
+        self.metadata.append(dict(context.invocation_metadata()))
+        if self.fail:
+            context.abort(self.fail.pop(0), "try later")
+        self.requests.append(request)
+        return b""  # an empty ExportTraceServiceResponse
+
+    def stop(self):
+        self.server.stop(0)
+
+
+class HttpReceiver:
+    """POST /v1/traces on 127.0.0.1; `statuses` are answered first, in order."""
+
+    def __init__(self, statuses=()):
+        receiver = self
+        self.requests: list[tuple[str, dict, bytes]] = []
+        self.statuses = list(statuses)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self):  # noqa: N802
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                status = receiver.statuses.pop(0) if receiver.statuses else 200
+                if status == 200:
+                    receiver.requests.append((self.path, dict(self.headers), body))
+                self.send_response(status)
+                if status == 503:
+                    self.send_header("Retry-After", "0")
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def settings_for(protocol, port, **kw):
+    target = f"127.0.0.1:{port}" if protocol == "grpc" else f"http://127.0.0.1:{port}/v1/traces"
+    return Settings(protocol, target, True, **kw)
+
+
+def received_spans(data: bytes):
+    req = ExportTraceServiceRequest.FromString(data)
+    return [s for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_telemetry_exports_to_a_real_receiver(protocol):
+    receiver = GrpcReceiver() if protocol == "grpc" else HttpReceiver()
+    try:
+        exporter = OtlpExporter(settings=settings_for(protocol, receiver.port,
+                                                      headers=(("x-tenant", "blue"),)))
+        t = Telemetry(tracing(), clock_offset_ns=OFFSET, rng=random.Random(5), exporter=exporter, interval=0.01)
+        ref = Telemetry(tracing(), clock_offset_ns=OFFSET, rng=random.Random(5), exporter=None)
+        calls = [fx.call_success(), fx.call_retry(), fx.call_timeout()]
+        reasons = [t.finished(c, "UserService", "users") for c in calls]
+        assert reasons == ["head"] * 3
+        assert t.flush(10.0)
+        assert t.queue.exported == 3 and t.queue.failed == 0
+        assert t.shutdown(5.0)
+        bodies = receiver.requests if protocol == "grpc" else [body for _, _, body in receiver.requests]
+        got = [s for body in bodies for s in received_spans(body)]
+        expected = [s for c in calls for s in received_spans(encode_spans(ref.build_spans(c, "UserService", "users", "head"))
+                                                             .SerializeToString())]
+        assert got == expected and len(got) == 8 + 13 + 7
+        assert {s.name for s in got} >= set(spans.HOPS) - {spans.QUEUED}
+        if protocol == "grpc":
+            md = receiver.metadata[0]
+            assert md["x-tenant"] == "blue" and md["user-agent"].startswith("thrift-sidecar/")
+        else:
+            path, headers, _ = receiver.requests[0]
+            assert path == "/v1/traces" and headers["Content-Type"] == "application/x-protobuf"
+            assert headers["x-tenant"] == "blue"
+    finally:
+        receiver.stop()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_gzip_and_the_sdk_interface(protocol):
+    receiver = GrpcReceiver() if protocol == "grpc" else HttpReceiver()
+    try:
+        exporter = OtlpExporter(settings=settings_for(protocol, receiver.port, compression="gzip"))
+        t = Telemetry(tracing(), clock_offset_ns=OFFSET, rng=random.Random(6), exporter=None)
+        built = t.build_spans(fx.call_success(), "UserService", "users", "head")
+        assert exporter.export(built) is SpanExportResult.SUCCESS  # ReadableSpans, as the demo's tee sends
+        exporter.shutdown()
+        if protocol == "grpc":
+            (body,) = receiver.requests  # grpc decompresses (grpc-encoding is not in the metadata)
+        else:
+            (_, headers, raw), = receiver.requests
+            assert headers["Content-Encoding"] == "gzip"
+            body = gzip.decompress(raw)
+        assert ExportTraceServiceRequest.FromString(body) == encode_spans(built)
+    finally:
+        receiver.stop()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_retryable_errors_are_retried(protocol):
+    if protocol == "grpc":
+        receiver = GrpcReceiver(fail=[grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED])
+    else:
+        receiver = HttpReceiver(statuses=[503, 429])
+    try:
+        exporter = OtlpExporter(settings=settings_for(protocol, receiver.port, timeout=10.0), backoff_base=0.01)
+        assert exporter.export_request(b"") is SpanExportResult.SUCCESS
+        assert len(receiver.requests) == 1
+        exporter.shutdown()
+    finally:
+        receiver.stop()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_non_retryable_errors_fail_at_once(protocol):
+    if protocol == "grpc":
+        receiver = GrpcReceiver(fail=[grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE])
+    else:
+        receiver = HttpReceiver(statuses=[400, 503])
+    try:
+        exporter = OtlpExporter(settings=settings_for(protocol, receiver.port), backoff_base=0.01)
+        assert exporter.export_request(b"") is SpanExportResult.FAILURE
+        assert len(receiver.statuses if protocol == "http" else receiver.fail) == 1  # one try only
+        exporter.shutdown()
+    finally:
+        receiver.stop()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_nothing_listening_fails_by_the_deadline_without_raising(protocol):
+    s = __import__("socket").socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # a port nobody listens on
+    exporter = OtlpExporter(settings=settings_for(protocol, port, timeout=0.5), backoff_base=0.05)
+    t0 = time.monotonic()
+    assert exporter.export_request(b"x") is SpanExportResult.FAILURE
+    assert time.monotonic() - t0 < 3.0
+    exporter.shutdown()
+    assert exporter.export_request(b"x") is SpanExportResult.FAILURE  # after shutdown: refused, no raise
+
+
+def test_shutdown_cuts_a_backoff_short():
+    receiver = GrpcReceiver(fail=[grpc.StatusCode.UNAVAILABLE] * 10)
+    try:
+        exporter = OtlpExporter(settings=settings_for("grpc", receiver.port, timeout=60.0), backoff_base=20.0)
+        result = []
+        worker = threading.Thread(target=lambda: result.append(exporter.export_request(b"")))
+        worker.start()
+        deadline = time.monotonic() + 5.0
+        while not receiver.metadata and time.monotonic() < deadline:
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        exporter.shutdown()
+        worker.join(5.0)
+        assert result == [SpanExportResult.FAILURE] and time.monotonic() - t0 < 2.0
+    finally:
+        receiver.stop()
+
+
+def test_settings_follow_the_sdk_exporters():
+    env = {}
+    default = Settings.resolve("grpc", None, env)
+    assert (default.protocol, default.target, default.insecure, default.timeout) == ("grpc", "localhost:4317", True, 10)
+    assert Settings.resolve("http", None, env).target == "http://localhost:4318/v1/traces"
+    assert Settings.resolve("http", "http://c:4318", env).target == "http://c:4318/v1/traces"
+    assert Settings.resolve("http", "http://c:4318/custom", env).target == "http://c:4318/custom"
+    assert Settings.resolve("grpc", "https://c:4317", {"OTEL_EXPORTER_OTLP_INSECURE": "true"}).insecure is False
+    assert Settings.resolve("grpc", "c:4317", env).insecure is False   # no scheme: TLS, as the SDK
+    assert Settings.resolve("grpc", "c:4317", {"OTEL_EXPORTER_OTLP_TRACES_INSECURE": "true"}).insecure is True
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://col:4318/", "OTEL_EXPORTER_OTLP_HEADERS": "A=1,b=x%20y",
+           "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "2.5", "OTEL_EXPORTER_OTLP_COMPRESSION": "gzip"}
+    http = Settings.resolve("http", None, env)
+    assert (http.target, http.timeout, http.compression) == ("http://col:4318/v1/traces", 2.5, "gzip")
+    assert dict(http.headers) == {"a": "1", "b": "x y"}
+    grpc_settings = Settings.resolve("grpc", None, {**env, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t:1234"})
+    assert (grpc_settings.target, grpc_settings.insecure) == ("t:1234", True)
+    assert Settings.resolve("http", None, {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t/x"}).target == "http://t/x"
+    assert Settings.resolve("grpc", None, {"OTEL_EXPORTER_OTLP_COMPRESSION": "deflate"}).compression is None
+
+
+def _cpu_per_call(fn, n: int) -> float:
+    import timeit
+
+    return min(timeit.repeat(fn, number=n, repeat=3, timer=time.thread_time)) / n
+
+
+def test_encode_cost_printed():
+    """Benchmark, never a pass/fail: the export thread's CPU per call, SDK path vs direct path."""
+    ref, fast = pair(seed=4)
+    encoder = fast.otlp
+    for label, call in (("success", fx.call_success()), ("retry", fx.call_retry())):
+        sdk = _cpu_per_call(lambda: encode_spans(ref.build_spans(call, "UserService", "users", "head"))
+                            .SerializeToString(), 200)
+        direct = _cpu_per_call(lambda: encoder.request([fast.encode_call(call, "UserService", "users", "head")]),
+                               2000)
+        print(f"\n{label}: build_spans + SDK encode_spans + serialize {sdk * 1e6:.1f} µs/call, "
+              f"encode_call + request {direct * 1e6:.1f} µs/call ({sdk / direct:.1f}x)")
