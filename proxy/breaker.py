@@ -65,7 +65,7 @@ _MAX_DOUBLINGS = 60  # 2^60 × any positive open_for is past every max_open_for
 class Breaker:
     """One endpoint's breaker; see the module docstring for the state machine."""
 
-    __slots__ = ("settings", "clock", "on_transition", "state", "opened_count", "open_until",
+    __slots__ = ("settings", "clock", "on_transition", "state", "state_name", "opened_count", "open_until",
                  "open_time", "consecutive", "window", "probes", "probe_successes", "opened_total")
 
     def __init__(self, settings: config.CircuitBreaker, clock: Callable[[], float],
@@ -74,6 +74,7 @@ class Breaker:
         self.clock = clock
         self.on_transition = on_transition
         self.state = CLOSED
+        self.state_name = CLOSED.value  # the state's name, kept with it (read per call)
         self.opened_count = 0          # consecutive openings since the last CLOSED (drives open time)
         self.opened_total = 0          # every opening, for stats
         self.open_until = 0.0          # clock time when OPEN may become HALF_OPEN
@@ -82,10 +83,6 @@ class Breaker:
         self.window = SlidingCounts(settings.window, clock)  # (calls, failures) while CLOSED
         self.probes = 0                # probe calls in flight (HALF_OPEN)
         self.probe_successes = 0
-
-    @property
-    def state_name(self) -> str:
-        return self.state.value
 
     # the data path's calls ---------------------------------------------------
 
@@ -142,7 +139,7 @@ class Breaker:
                 n = self.consecutive
                 self._open(f"{n} consecutive failure{'s' if n != 1 else ''}")
                 return
-        if s.failure_rate > 0:
+        if s.failure_rate > 0 and self.window.b:  # (b counts failures not yet expired, and more)
             n, failed = self.window.totals()
             if n >= s.min_calls and failed and failed >= s.failure_rate * n:
                 self._open(f"failure rate {100 * failed / n:.0f}% over "
@@ -167,6 +164,7 @@ class Breaker:
     def _go(self, new: State, reason: str) -> None:
         old = self.state
         self.state = new
+        self.state_name = new.value
         self.probes = 0
         self.probe_successes = 0
         if self.on_transition is not None:

@@ -126,12 +126,24 @@ class ClientConnection(asyncio.Protocol):
         if self._unacked and self._ack_poll is not None:
             self._ack_poll.cancel()  # a client that sends has likely read: look now
             self._check_acks()
+        if self._idle_timer is not None:
+            self._last_active = now
         dec = self.decoder
+        if len(self.queue) < self.state.settings.max_inflight:
+            msg = dec.take(data)  # the common case: this read is one whole request
+            if msg is not None:
+                self.t_first = now
+                if msg.type == MessageType.CALL or msg.type == MessageType.ONEWAY:
+                    self.state.pipeline.handle(self, msg, now, now)
+                else:
+                    self._bad_type(msg)
+                if (not self.closing and (self._read_timer is not None or self._eof
+                                          or len(self.queue) >= self.state.settings.max_inflight)):
+                    self._after_framing(dec)
+                return
         if not dec.buffered:
             self.t_first = now
         dec.feed(data)
-        if self._idle_timer is not None:
-            self._last_active = now
         self._frame_requests(now)
 
     def _frame_requests(self, now: int) -> None:
@@ -145,8 +157,13 @@ class ClientConnection(asyncio.Protocol):
             self._frame_loop(dec, pipeline, limit, now)
         finally:
             self._framing = False
+        self._after_framing(dec)
+
+    def _after_framing(self, dec: Decoder) -> None:
+        """Pause reading at max_inflight; arm or cancel the read deadline; a waiting EOF."""
         if self.closing:
             return
+        limit = self.state.settings.max_inflight
         if len(self.queue) >= limit:
             if self._read_timer is not None:  # bytes we hold back are not the client's delay
                 self._read_timer.cancel()
@@ -180,13 +197,15 @@ class ClientConnection(asyncio.Protocol):
             t_start = self.t_first
             self.t_first = now
             if msg.type != MessageType.CALL and msg.type != MessageType.ONEWAY:
-                self._protocol_error(ProtocolError(
-                    f"bad request: message type {msg.type} from a client (expected CALL or ONEWAY)",
-                    head=msg.head))
+                self._bad_type(msg)
                 return
             pipeline.handle(self, msg, t_start, now)
             if self.closing:
                 return
+
+    def _bad_type(self, msg) -> None:
+        self._protocol_error(ProtocolError(
+            f"bad request: message type {msg.type} from a client (expected CALL or ONEWAY)", head=msg.head))
 
     def eof_received(self) -> bool:
         if self.closing:
@@ -296,6 +315,13 @@ class ClientConnection(asyncio.Protocol):
         if self.paused_writing:
             upconn.pause_reading()
 
+    def paused_ns(self, call: Call) -> int:
+        """How long this connection has held `call`'s streaming reply back so far (not reading)."""
+        paused = call.client_paused_ns
+        if self.paused_writing and self.stream_call is call:
+            paused += monotonic_ns() - self._paused_at
+        return paused
+
     def stream_write(self, call: Call, data) -> None:
         if call is not self.stream_call or self.transport is None:
             return
@@ -337,9 +363,6 @@ class ClientConnection(asyncio.Protocol):
             self.transport.abort()
 
     # -- calls ------------------------------------------------------------------
-
-    def enqueue(self, call: Call) -> None:
-        self.queue.append(call)
 
     def call_done(self, call: Call) -> None:
         """A call has its reply: write every reply that is now first in line."""

@@ -33,7 +33,8 @@ from proxy import calls
 from proxy.breaker import classify_for_breaker
 from proxy.calls import Attempt, Call
 from proxy.codec.rename import strip_service
-from proxy.codec import AppErrorType, Message, MessageType, Protocol, ProtocolError, exception_reply, reframe
+from proxy.codec import (AppErrorType, Framing, Message, MessageType, Protocol, ProtocolError, exception_reply,
+                         reframe)
 from proxy.retry import RetryPolicy
 from proxy.upstream import UpstreamError
 
@@ -87,7 +88,7 @@ class Pipeline:
         call.oneway = msg.type == MessageType.ONEWAY or (
             bool(self.oneway_methods) and (msg.name in self.oneway_methods or msg.method in self.oneway_methods))
         if not call.oneway:
-            conn.enqueue(call)
+            conn.queue.append(call)  # its place in the reply order
         route = self.router.route(msg)
         if route is None:
             self.stats["no_route"] += 1
@@ -212,7 +213,8 @@ class Pipeline:
 
     def _request_bytes(self, call: Call, attempt: Attempt, framing) -> bytes:
         """The request as this upstream wants it: re-framed, renamed, with THeader headers added."""
-        if framing.is_header and (call.deadline or self.on_send is not None):
+        if (framing is Framing.HEADER or framing is Framing.FRAMED_HEADER) and (
+                call.deadline or self.on_send is not None):
             headers = dict(call.msg.headers)
             if call.deadline:
                 headers[CLIENT_TIMEOUT_HEADER] = str(max(int((call.deadline - self.loop.time()) * 1000), 1))
@@ -440,11 +442,20 @@ class Pipeline:
         self._release_call(call)
         call.conn.stream_abort(call)
 
-    def _call_timeout(self, call: Call, timeout: float) -> None:
+    def _call_timeout(self, call: Call, timeout: float, credited: int = 0) -> None:
         call.timer = None
         if call.reply is not None or call.cancelled:
             return
         if call.streamed:
+            # Time the client held the stream back (not reading) is not the upstream's: the
+            # deadline moves by it (a client that stops reading altogether is closed as a write
+            # stall after request_read_timeout). As when a reply is read whole: the route
+            # timeout bounds the upstream side of the call, not the client's reading.
+            paused = call.conn.paused_ns(call)
+            if paused > credited:
+                call.deadline += (paused - credited) / 1e9
+                call.timer = self.loop.call_at(call.deadline, self._call_timeout, call, timeout, paused)
+                return
             a = call.attempt
             if a is not None and a.upconn is not None:
                 a.upconn.abandon()

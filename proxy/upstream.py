@@ -143,6 +143,10 @@ class UpstreamConnection(asyncio.Protocol):
             return
         if not ex.t_first_reply:
             ex.t_first_reply = monotonic_ns()
+            reply = self.decoder.take(data)  # the common case: the whole reply in one read
+            if reply is not None:
+                self._replied(ex, reply)
+                return
             if self.stream_threshold:
                 self._probe = b""
         if self._probe is not None:
@@ -160,6 +164,10 @@ class UpstreamConnection(asyncio.Protocol):
             return
         if reply is None:
             return
+        self._replied(ex, reply)
+
+    def _replied(self, ex: Exchange, reply: Message) -> None:
+        """A whole reply: checked, the connection back to the pool, the exchange told."""
         if reply.seqid != ex.seqid:
             self._fail(UpstreamError(
                 f"bad reply from {self.label}: seqid {reply.seqid} does not match the request's {ex.seqid}",
@@ -169,7 +177,7 @@ class UpstreamConnection(asyncio.Protocol):
             self._fail(UpstreamError(f"bad reply from {self.label}: message type {reply.type}", written=True))
             return
         self.exchange_ = None
-        if dec.buffered:
+        if self.decoder.buffered:
             log.info("upstream %s sent bytes past its reply; closing that connection", self.label)
             self._discard()
         else:

@@ -14,7 +14,7 @@ class SlidingCounts:
     window × (1 − 1/buckets) and window seconds after it was added.
     """
 
-    __slots__ = ("clock", "width", "n", "_a", "_b", "_slot", "a", "b")
+    __slots__ = ("clock", "width", "n", "_a", "_b", "_slot", "_i", "_edge", "a", "b")
 
     def __init__(self, window: float, clock: Callable[[], float], buckets: int = 10) -> None:
         self.clock = clock
@@ -22,12 +22,20 @@ class SlidingCounts:
         self.n = buckets
         self._a = [0] * buckets
         self._b = [0] * buckets
-        self._slot = math.floor(clock() / self.width)  # absolute number of the newest slice
         self.a = 0
         self.b = 0
+        self._set_slot(math.floor(clock() / self.width))
+
+    def _set_slot(self, slot: int) -> None:
+        self._slot = slot                      # absolute number of the newest slice
+        self._i = slot % self.n                # its index
+        self._edge = (slot + 1) * self.width   # clock time it ends
 
     def _roll(self) -> int:
-        slot = math.floor(self.clock() / self.width)
+        now = self.clock()
+        if now < self._edge:  # the newest slice still (the common case: one compare)
+            return self._i
+        slot = math.floor(now / self.width)
         last = self._slot
         if slot > last:
             if slot - last >= self.n:
@@ -39,8 +47,8 @@ class SlidingCounts:
                     self.a -= a[i]
                     self.b -= b[i]
                     a[i] = b[i] = 0
-            self._slot = slot
-        return self._slot % self.n  # a clock that steps back keeps writing the newest slice
+            self._set_slot(slot)
+        return self._i  # a clock that steps back keeps writing the newest slice
 
     def _zero(self) -> None:
         self._a = [0] * self.n
@@ -60,4 +68,4 @@ class SlidingCounts:
 
     def reset(self) -> None:
         self._zero()
-        self._slot = math.floor(self.clock() / self.width)
+        self._set_slot(math.floor(self.clock() / self.width))

@@ -28,7 +28,7 @@ def test_large_replies_stream_and_arrive_intact():
             done = []
             p.server.listeners["test"].pipeline.on_complete = done.append
             with client(p.port()) as c:
-                small = os.urandom(100_000)
+                small = os.urandom(50_000)  # under stream_threshold (64 KiB)
                 assert c.echo(small) == small
                 for size in (1_500_000, 10_000_000):
                     big = os.urandom(size)
@@ -37,7 +37,7 @@ def test_large_replies_stream_and_arrive_intact():
     finally:
         up.stop()
     streamed = {call.reply_size: call.streamed for call in done if call.msg.name == "echo"}
-    assert streamed[100_028] is False
+    assert streamed[50_028] is False
     assert streamed[1_500_028] is True and streamed[10_000_028] is True
 
 
@@ -255,3 +255,90 @@ def test_large_retryable_exception_is_read_whole_and_retried():
     assert len(retried) == bad.calls
     assert all(call.attempts[0].outcome == "declared_exception" for call in retried)
     assert not any(call.streamed for call in lookups)
+
+
+def _timeout_config(upstream: str, timeout: str) -> str:
+    return _big_config(upstream).replace("      - cluster: up", f"      - cluster: up\n        timeout: {timeout}")
+
+
+def test_slow_reader_of_a_streamed_reply_is_not_cut_by_the_route_timeout():
+    """The route timeout bounds the upstream side: time the client holds a stream back does not
+    count (as when a reply is read whole), so a slow but steady reader gets all of it."""
+    up = RawBigUpstream(16_000_000)  # far more than the kernel buffers hold: the stream pauses
+    try:
+        with Proxy(_timeout_config(f"127.0.0.1:{up.port}", "200ms")) as p:
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+            s.connect(("127.0.0.1", p.port()))
+            with s:
+                s.sendall(request_bytes("framed", "binary", "echo", b"", seqid=3))
+                t0 = time.monotonic()
+                parts = []
+                got = 0
+                while got < 4 + 16_000_024:
+                    time.sleep(0.01)
+                    chunk = s.recv(256 * 1024)
+                    assert chunk, f"closed after {got} bytes"
+                    parts.append(chunk)
+                    got += len(chunk)
+                got = b"".join(parts)
+                took = time.monotonic() - t0
+            assert took > 0.5, f"the client read too fast ({took:.2f}s) to test anything"
+            assert len(got) == 16_000_028 and got[-1:] == b"\x00"
+            assert p.server.listeners["test"].pipeline.stats["timeouts"] == 0
+    finally:
+        up.close()
+
+
+class StallingUpstream:
+    """Sends the first 200 KB of a 1 MB reply, then nothing more."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(c)
+            req = c.recv(1 << 16)
+            nlen = struct.unpack("!i", req[8:12])[0]
+            name, seqid = req[12:12 + nlen], req[12 + nlen:16 + nlen]
+            head = struct.pack("!I", 0x80010002) + struct.pack("!i", len(name)) + name + seqid
+            size = 1_000_000
+            field = b"\x0b" + struct.pack("!h", 0) + struct.pack("!i", size)
+            c.sendall(struct.pack("!i", len(head) + len(field) + size + 1) + head + field + b"s" * 200_000)
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_upstream_stalling_mid_stream_still_times_out():
+    up = StallingUpstream()
+    try:
+        with Proxy(_timeout_config(f"127.0.0.1:{up.port}", "400ms")) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(request_bytes("framed", "binary", "echo", b"", seqid=4))
+                s.settimeout(5)
+                t0 = time.monotonic()
+                got = 0
+                while True:
+                    chunk = s.recv(1 << 16)
+                    if not chunk:
+                        break
+                    got += len(chunk)
+                took = time.monotonic() - t0
+            assert 200_000 <= got < 1_000_000
+            assert 0.35 < took < 1.5, f"closed after {took:.2f}s"
+            assert p.server.listeners["test"].pipeline.stats["timeouts"] == 1
+    finally:
+        up.close()

@@ -17,6 +17,10 @@ class Framing(enum.Enum):
     HEADER = "header"            # THeader: length, 0x0FFF magic, info headers, payload
     FRAMED_HEADER = "framed_header"  # a whole THeader frame inside a framed frame
 
+    # Members are singletons compared by identity: hash them so too, in C (Enum's own
+    # __hash__ is Python code, and pools and request caches are keyed by these per call).
+    __hash__ = object.__hash__
+
     @property
     def is_header(self) -> bool:
         return self is Framing.HEADER or self is Framing.FRAMED_HEADER
@@ -28,6 +32,8 @@ class Protocol(enum.Enum):
     BINARY = "binary"                      # strict binary (versioned head)
     BINARY_NONSTRICT = "binary_nonstrict"  # also accepts the old unversioned head
     COMPACT = "compact"
+
+    __hash__ = object.__hash__  # as Framing's
 
     @property
     def header_id(self) -> int:
