@@ -35,7 +35,7 @@ class Call:
                  "t_start", "t_framed", "t_done", "t_write", "t_handed", "t_acked", "never_read",
                  "streamed", "client_paused_ns", "upstream_wait_ns", "reply_size", "loop_lag_ns",
                  "trace", "timer", "deadline", "retry_timer", "holds_request", "result_field", "waited",
-                 "_request")
+                 "_req_framing", "_req_data")
 
     def __init__(self, conn, msg, t_start: int, t_framed: int, pipeline=None) -> None:
         self.conn = conn                    # the client connection (listener)
@@ -72,7 +72,8 @@ class Call:
         self.holds_request = False          # counted in the cluster's max_requests
         self.result_field = None            # the reply's first result field id (outcome peek)
         self.waited = False                 # its reply waited behind an earlier pipelined one (queued)
-        self._request: dict = {}            # request bytes per upstream framing
+        self._req_framing = None            # the upstream framing _req_data is for
+        self._req_data = None               # the request bytes as that framing wants them
 
     @property
     def request_size(self) -> int:

@@ -21,7 +21,7 @@ import ssl as ssl_mod
 from typing import Callable, Sequence
 
 from proxy.balancer import Balancer
-from proxy.breaker import panicking
+from proxy.breaker import CLOSED, panicking
 from proxy.codec import Framing, Protocol
 from proxy.endpoint import Endpoint
 from proxy.pool import Pool, PoolSettings
@@ -68,7 +68,12 @@ class Cluster:
         if not eps:
             self.stats["no_endpoint"] += 1
             return None
-        healthy = [ep for ep in eps if ep.healthy and (ep.breaker is None or ep.breaker.allows())]
+        for ep in eps:  # the common case, every endpoint healthy with a closed breaker: no copy
+            if not ep.healthy or (ep.breaker is not None and ep.breaker.state is not CLOSED):
+                healthy = [ep for ep in eps if ep.healthy and (ep.breaker is None or ep.breaker.allows())]
+                break
+        else:
+            healthy = eps
         if len(healthy) != len(eps):
             out = len(eps) - len(healthy)
             panic = panicking(out, len(eps), self.max_open_percent)

@@ -171,8 +171,9 @@ class ServiceMetrics:
         st = self.by_name[name] = self._stats_for(*self._label(name))
         return st
 
-    def record(self, call) -> None:
-        """Count one finished call: its hops, its total, its outcome. A few µs."""
+    def record(self, call, end: int = 0) -> None:
+        """Count one finished call: its hops, its total, its outcome. A few µs.
+        `end`: `call_end(call)` if the caller has it already."""
         msg = call.msg
         if msg is None:
             st = self.invalid
@@ -231,7 +232,7 @@ class ServiceMetrics:
             hops[_WRITE_RESPONSE][bisect_left(bounds, d)] += 1
             sums[_WRITE_RESPONSE] += d
 
-        d = call_end(call) - call.t_start
+        d = (end or call_end(call)) - call.t_start
         if d >= 0:
             st.total[bisect_left(bounds, d)] += 1
             st.total_sum += d

@@ -33,12 +33,13 @@ class CallRecorder:
         self.access = access
 
     def __call__(self, call) -> None:
-        end = call_end(call) or monotonic_ns()
+        ended = call_end(call)
+        end = ended or monotonic_ns()
         call.loop_lag_ns = self.lag.lag_for(call.t_start, end)
         if call.reply_size == 0 and call.reply is not None:
             call.reply_size = len(call.reply)
         call.reply = None  # sizes are recorded; the bytes are not needed any more
-        self.metrics.record(call)
+        self.metrics.record(call, ended)
         if self.telemetry is not None:
             self.telemetry.finished(call, self.service, self.listener)
         if self.access and access_log.isEnabledFor(logging.INFO):

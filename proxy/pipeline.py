@@ -30,7 +30,7 @@ from time import monotonic_ns
 from typing import Mapping
 
 from proxy import calls
-from proxy.breaker import classify_for_breaker
+from proxy.breaker import CLOSED, classify_for_breaker
 from proxy.calls import Attempt, Call
 from proxy.codec.rename import strip_service
 from proxy.codec import (AppErrorType, Framing, Message, MessageType, Protocol, ProtocolError, exception_reply,
@@ -153,7 +153,8 @@ class Pipeline:
         breaker = endpoint.breaker
         if breaker is not None:
             attempt.breaker_state = breaker.state_name
-            attempt.probe = breaker.on_pick()
+            if breaker.state is not CLOSED:
+                attempt.probe = breaker.on_pick()
         settings = call.route.settings
         per_try = settings.retry.per_try_timeout if settings is not None else 0.0
         if per_try > 0 and not call.oneway:
@@ -183,7 +184,8 @@ class Pipeline:
 
     def send(self, attempt: Attempt, conn) -> None:
         call = attempt.call
-        self._leave_pending(attempt)
+        if attempt.pending:
+            self._leave_pending(attempt)
         if call.cancelled or attempt is not call.attempt or attempt.ended:
             conn.pool.release(conn)
             return
@@ -222,10 +224,12 @@ class Pipeline:
                 self.on_send(attempt, headers)
             return (strip_service(call.msg, framing, headers) if call.route.strip_service
                     else reframe(call.msg, framing, headers))
-        data = call._request.get(framing)
-        if data is None:
-            data = call._request[framing] = (strip_service(call.msg, framing) if call.route.strip_service
-                                             else reframe(call.msg, framing))
+        if call._req_framing is framing:  # a retry to the same framing: made already
+            return call._req_data
+        data = (strip_service(call.msg, framing) if call.route.strip_service
+                else reframe(call.msg, framing))
+        call._req_framing = framing
+        call._req_data = data
         return data
 
     # 6-7: reply, classify ------------------------------------------------------------
@@ -336,7 +340,7 @@ class Pipeline:
             attempt.timer = None
         breaker = attempt.endpoint.breaker
         if breaker is not None:
-            verdict = classify_for_breaker(outcome, endpoint_fault)
+            verdict = True if outcome is calls.SUCCESS else classify_for_breaker(outcome, endpoint_fault)
             if verdict is None:
                 breaker.release()
             else:

@@ -8,6 +8,7 @@ delayed ACKs turns a split write into a 40 ms stall (one team's 14 s job took
 from __future__ import annotations
 
 import fcntl
+from array import array
 import logging
 import resource
 import socket
@@ -45,7 +46,7 @@ def raise_nofile_limit() -> tuple[int, int]:
     return soft, hard
 
 
-_ZERO = b"\0\0\0\0"
+_OUT = array("i", [0])  # the ioctl result (the loop thread is its only user)
 SIOCOUTQNSD = 0x894B  # Linux: bytes in a TCP socket's send queue not yet sent to the peer
 
 
@@ -57,6 +58,7 @@ def unsent_bytes(fd: int) -> int:
     which would pass for a slow reader, while a slow reader's full window keeps bytes unsent.
     """
     try:
-        return int.from_bytes(fcntl.ioctl(fd, SIOCOUTQNSD, _ZERO), "little", signed=True)
+        fcntl.ioctl(fd, SIOCOUTQNSD, _OUT, True)  # fills _OUT in place: no bytes object per call
     except OSError:
         return 0
+    return _OUT[0]

@@ -18,6 +18,8 @@ import math
 import random
 
 import pytest
+
+from proxy.breaker import CLOSED, OPEN
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -188,7 +190,8 @@ def test_ewma_low_samples_pull_down_over_time():
 class FakeBreaker:
     def __init__(self, open_: bool) -> None:
         self.open = open_
-        self.state_name = "open" if open_ else "closed"
+        self.state = OPEN if open_ else CLOSED  # what Cluster.pick's fast path reads
+        self.state_name = self.state.value
 
     def allows(self) -> bool:
         return not self.open
