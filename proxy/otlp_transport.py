@@ -121,6 +121,10 @@ class Settings:
             insecure = insecure_env.strip().lower() == "true"
         else:
             insecure = parts.scheme == "http"
+            if parts.scheme != "http":  # as the SDK: no scheme means TLS, easy to trip over
+                log.warning("OTLP/gRPC endpoint %r has no http:// or https:// scheme: using TLS "
+                            "(write http://%s for plaintext, e.g. a local Jaeger)", endpoint,
+                            parts.netloc or endpoint)
         return cls("grpc", parts.netloc or endpoint, insecure, **common)
 
 

@@ -13,6 +13,7 @@ nothing listening) return FAILURE without raising.
 
 from __future__ import annotations
 
+import logging
 import gzip
 import http.server
 import random
@@ -387,3 +388,14 @@ def test_encode_cost_printed():
                                2000)
         print(f"\n{label}: build_spans + SDK encode_spans + serialize {sdk * 1e6:.1f} µs/call, "
               f"encode_call + request {direct * 1e6:.1f} µs/call ({sdk / direct:.1f}x)")
+
+
+def test_a_grpc_endpoint_without_scheme_warns_that_it_means_tls(caplog):
+    with caplog.at_level(logging.WARNING, logger="proxy.otlp_transport"):
+        assert Settings.resolve("grpc", "127.0.0.1:4317", {}).insecure is False
+    assert "write http://127.0.0.1:4317 for plaintext" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="proxy.otlp_transport"):
+        Settings.resolve("grpc", "http://127.0.0.1:4317", {})
+        Settings.resolve("grpc", "https://collector:4317", {})
+    assert caplog.text == ""
