@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -342,3 +343,408 @@ def test_upstream_stalling_mid_stream_still_times_out():
             assert p.server.listeners["test"].pipeline.stats["timeouts"] == 1
     finally:
         up.close()
+
+
+# -- unframed (buffered) replies stream too ------------------------------------------------
+# An unframed reply has no length: it may stream once stream_threshold bytes of it are here
+# without its end (proxy/upstream.py), its end then found by scanning each read as it passes.
+
+
+def _buffered_config(upstream: str, port: int = 0, protocol: str = "binary", extra_cluster: str = "") -> str:
+    return _big_config(upstream, port, extra_cluster).replace(
+        "    transport: framed\n", "    transport: buffered\n").replace(
+        "    protocol: binary\n", f"    protocol: {protocol}\n")
+
+
+def _uvarint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+class RawBufferedUpstream:
+    """A raw unframed upstream: any call but ping gets a success reply carrying `size` bytes as a
+    list<binary> of 1 MiB elements (so a size limit can be crossed mid-reply), written as it goes.
+
+    die_after: reset the connection after that many payload bytes. garbage: an invalid field type
+    where the result struct's STOP should be. trailing: bytes sent after the reply.
+    """
+
+    PIECE = 1 << 20
+
+    def __init__(self, size: int, protocol: str = "binary", die_after: int | None = None,
+                 garbage: bool = False, trailing: bytes = b"") -> None:
+        self.size = size
+        self.protocol = protocol
+        self.die_after = die_after
+        self.garbage = garbage
+        self.trailing = trailing
+        self.connections = 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def reply_pieces(self, name: bytes, seqid: int, size: int):
+        """The reply, in the pieces it is written in (join them for the expected bytes)."""
+        compact = self.protocol == "compact"
+        n = -(-size // self.PIECE)
+        if compact:
+            head = bytes((0x82, 0x42)) + _uvarint(seqid & 0xFFFFFFFF) + _uvarint(len(name)) + name
+            lst = b"\x09\x00" + (bytes((n << 4 | 8,)) if n < 15 else b"\xf8" + _uvarint(n))
+        else:
+            head = struct.pack("!Ii", 0x80010002, len(name)) + name + struct.pack("!i", seqid)
+            lst = b"\x0f\x00\x00\x0b" + struct.pack("!i", n)
+        yield head + lst
+        left = size
+        chunk = b"\xab" * self.PIECE
+        while left:
+            k = min(left, self.PIECE)
+            yield (_uvarint(k) if compact else struct.pack("!i", k)) + chunk[:k]
+            left -= k
+        yield (b"\x63\x00\x01" + b"\x00" * 8 if self.garbage else b"\x00") + self.trailing
+
+    def expected(self, name: bytes, seqid: int) -> bytes:
+        return b"".join(self.reply_pieces(name, seqid, self.size))
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._one, args=(c,), daemon=True).start()
+
+    def _one(self, c: socket.socket) -> None:
+        from proxy.codec import Decoder, Framing, Protocol
+
+        dec = Decoder(Framing.BUFFERED, Protocol(self.protocol))
+        with c, contextlib.suppress(OSError):  # the proxy may reset it (the tests that make it)
+            while True:
+                call = dec.next_message()
+                if call is None:
+                    data = c.recv(1 << 16)
+                    if not data:
+                        return
+                    dec.feed(data)
+                    continue
+                name = call.name.encode()
+                sent = 0
+                for piece in self.reply_pieces(name, call.seqid, 0 if name == b"ping" else self.size):
+                    c.sendall(piece)
+                    sent += len(piece)
+                    if self.die_after is not None and sent >= self.die_after:
+                        c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        return  # reset mid-reply
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _spy_streams(pipeline) -> list:
+    """The calls whose reply began to stream (a call whose stream broke never reaches
+    on_complete: its client connection is closed and the call cancelled)."""
+    calls = []
+    start = pipeline.stream_start
+
+    def stream_start(attempt, head):
+        ok = start(attempt, head)
+        if ok:
+            calls.append(attempt.call)
+        return ok
+
+    pipeline.stream_start = stream_start
+    return calls
+
+
+def _recv_all(s: socket.socket) -> int:
+    got = 0
+    while True:
+        chunk = s.recv(1 << 20)
+        if not chunk:
+            return got
+        got += len(chunk)
+
+
+def test_large_buffered_replies_stream_and_arrive_intact():
+    up = ThriftServer(framing="buffered")
+    try:
+        with Proxy(_buffered_config(up.address)) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            with client(p.port(), framing="buffered") as c:
+                small = os.urandom(50_000)  # under stream_threshold (64 KiB)
+                assert c.echo(small) == small
+                for size in (1_500_000, 10_000_000):
+                    big = os.urandom(size)
+                    assert c.echo(big) == big
+                assert c.lookup("after") == "upstream:after"  # the upstream connection is reusable
+            time.sleep(0.2)
+            (ep,) = p.server.clusters["up"].endpoints
+            (pool,) = ep.pools.values()
+            assert pool.stats["connects"] == 1
+    finally:
+        up.stop()
+    # Unframed: no length prefix; head 16 + field header and length 7 + STOP 1.
+    streamed = {call.reply_size: call.streamed for call in done if call.msg.name == "echo"}
+    assert streamed == {50_024: False, 1_500_024: True, 10_000_024: True}
+    for call in done:
+        if call.streamed:
+            assert call.attempts[-1].reply_size == call.reply_size
+
+
+def test_compact_buffered_reply_streams():
+    up = ThriftServer(framing="buffered", protocol="compact")
+    try:
+        with Proxy(_buffered_config(up.address, protocol="compact")) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            with client(p.port(), framing="buffered", protocol="compact") as c:
+                big = os.urandom(3_000_000)
+                assert c.echo(big) == big
+                assert c.lookup("after") == "upstream:after"
+            time.sleep(0.2)
+    finally:
+        up.stop()
+    (echo,) = [call for call in done if call.msg.name == "echo"]
+    # compact: head 2 + seqid varint 1 + name 1 + 4, field 0 long form 2 + length varint 4, STOP 1
+    assert echo.streamed and echo.reply_size == 3_000_015
+
+
+def test_buffered_reply_behind_a_pending_call_is_read_whole_in_order():
+    up = ThriftServer(framing="buffered")
+    try:
+        with Proxy(_buffered_config(up.address)) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(request_bytes("buffered", "binary", "sleep", 200, seqid=1)
+                          + request_bytes("buffered", "binary", "echo", b"z" * 3_000_000, seqid=2))
+                first, second = read_messages(s, 2, "buffered", "binary")
+            assert (first.seqid, second.seqid) == (1, 2)
+            assert second.type == MessageType.REPLY and len(second.data) == 3_000_024
+            assert second.data.endswith(b"z" * 1000 + b"\x00")
+            time.sleep(0.2)
+    finally:
+        up.stop()
+    (echo,) = [call for call in done if call.msg.name == "echo"]
+    assert not echo.streamed
+
+
+def test_buffered_upstream_reset_mid_stream_closes_only_that_client():
+    up = RawBufferedUpstream(8_000_000, die_after=3_000_000)
+    try:
+        with Proxy(_buffered_config(f"127.0.0.1:{up.port}")) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as other:
+                with socket.create_connection(("127.0.0.1", p.port())) as s:
+                    s.sendall(request_bytes("buffered", "binary", "echo", b"", seqid=5))
+                    s.settimeout(10)
+                    got = _recv_all(s)
+                    assert 0 < got < 8_000_000  # part of it came, then the connection closed
+                other.sendall(request_bytes("buffered", "binary", "ping", seqid=6))
+                (reply,) = read_messages(other, 1, "buffered", "binary")
+                assert (reply.name, reply.seqid) == ("ping", 6)
+            assert p.server.listeners["test"].pipeline.stats["errors"] >= 1
+    finally:
+        up.close()
+
+
+def test_buffered_garbage_mid_stream_closes_the_client():
+    up = RawBufferedUpstream(3_000_000, garbage=True)
+    try:
+        with Proxy(_buffered_config(f"127.0.0.1:{up.port}")) as p:
+            streams = _spy_streams(p.server.listeners["test"].pipeline)
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(request_bytes("buffered", "binary", "echo", b"", seqid=5))
+                s.settimeout(10)
+                got = _recv_all(s)
+            assert 1_000_000 < got <= 3_000_000 + 100
+            time.sleep(0.2)
+    finally:
+        up.close()
+    (echo,) = streams
+    assert "invalid field type 99" in echo.error and echo.outcome == "may_have_run"
+    assert 1_000_000 < echo.reply_size <= got  # what got through
+
+
+def test_buffered_reply_over_max_reply_size_mid_stream_closes_the_client():
+    up = RawBufferedUpstream(8_000_000)
+    text = _buffered_config(f"127.0.0.1:{up.port}").replace("max_reply_size: 300MiB", "max_reply_size: 5MiB")
+    assert "5MiB" in text
+    try:
+        with Proxy(text) as p:
+            streams = _spy_streams(p.server.listeners["test"].pipeline)
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(request_bytes("buffered", "binary", "echo", b"", seqid=5))
+                s.settimeout(10)
+                got = _recv_all(s)
+            assert 3_000_000 < got <= 5 * 1024 * 1024
+            time.sleep(0.2)
+    finally:
+        up.close()
+    (echo,) = streams
+    assert "exceeds max_reply_size 5242880" in echo.error
+    assert 3_000_000 < echo.reply_size <= 5 * 1024 * 1024  # what got through
+
+
+def test_buffered_bytes_past_the_streamed_reply_discard_that_connection():
+    up = RawBufferedUpstream(2_000_000, trailing=b"junk after the reply")
+    try:
+        with Proxy(_buffered_config(f"127.0.0.1:{up.port}")) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                for seqid in (1, 2):
+                    s.sendall(request_bytes("buffered", "binary", "echo", b"", seqid=seqid))
+                    (reply,) = read_messages(s, 1, "buffered", "binary")
+                    assert reply.data == up.expected(b"echo", seqid)[:-len(up.trailing)]
+            assert up.connections == 2  # each reply's connection was closed, not reused
+    finally:
+        up.close()
+
+
+def test_slow_reader_of_a_buffered_stream_gets_everything():
+    up = RawBufferedUpstream(16_000_000)  # far more than the kernel buffers hold: the stream pauses
+    try:
+        with Proxy(_buffered_config(f"127.0.0.1:{up.port}").replace(
+                "      - cluster: up", "      - cluster: up\n        timeout: 200ms")) as p:
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+            s.connect(("127.0.0.1", p.port()))
+            expected = up.expected(b"echo", 3)
+            with s:
+                s.sendall(request_bytes("buffered", "binary", "echo", b"", seqid=3))
+                t0 = time.monotonic()
+                parts = []
+                got = 0
+                while got < len(expected):
+                    time.sleep(0.01)
+                    chunk = s.recv(256 * 1024)
+                    assert chunk, f"closed after {got} bytes"
+                    parts.append(chunk)
+                    got += len(chunk)
+                took = time.monotonic() - t0
+            assert took > 0.5, f"the client read too fast ({took:.2f}s) to test anything"
+            assert b"".join(parts) == expected
+            assert p.server.listeners["test"].pipeline.stats["timeouts"] == 0
+    finally:
+        up.close()
+
+
+@pytest.mark.slow
+def test_256_mib_buffered_reply_streams_with_bounded_memory():
+    size = 256 * 1024 * 1024
+    up = RawBufferedUpstream(size)
+    port = free_port()
+    try:
+        with ProxyProcess(_buffered_config(f"127.0.0.1:{up.port}", port), [port]) as p:
+            with socket.create_connection(("127.0.0.1", port)) as s:  # warm up: pools, imports
+                s.sendall(request_bytes("buffered", "binary", "ping", seqid=1))
+                read_messages(s, 1, "buffered", "binary")
+            base = proc_status(p.proc.pid, "VmRSS")
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(request_bytes("buffered", "binary", "echo", b"", seqid=2))
+                s.settimeout(60)
+                got = 0
+                total = sum(len(piece) for piece in up.reply_pieces(b"echo", 2, 0)) + size + 4 * (size >> 20)
+                while got < total:
+                    chunk = s.recv(1 << 20)
+                    assert chunk, f"closed after {got} bytes"
+                    got += len(chunk)
+                assert got == total
+            peak = proc_status(p.proc.pid, "VmHWM")
+    finally:
+        up.close()
+    growth_mib = (peak - base) / 1024
+    print(f"256 MiB buffered reply: proxy RSS {base / 1024:.1f} MiB before, peak {peak / 1024:.1f} MiB "
+          f"(+{growth_mib:.1f} MiB)")
+    assert growth_mib <= 32, f"peak RSS grew by {growth_mib:.1f} MiB"
+
+
+class BigBufferedExceptionUpstream:
+    """A raw unframed upstream answering every call with a declared exception (result field 2)
+    carrying `size` bytes, sent in two pieces 50 ms apart: the first over stream_threshold and
+    incomplete, so it would stream if the proxy let it."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.calls = 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(c,), daemon=True).start()
+
+    def _one(self, c: socket.socket) -> None:
+        from proxy.codec import Decoder, Framing, Protocol
+
+        dec = Decoder(Framing.BUFFERED, Protocol.BINARY)
+        with c:
+            while True:
+                call = dec.next_message()
+                if call is None:
+                    data = c.recv(1 << 16)
+                    if not data:
+                        return
+                    dec.feed(data)
+                    continue
+                self.calls += 1
+                name = call.name.encode()
+                head = struct.pack("!Ii", 0x80010002, len(name)) + name + struct.pack("!i", call.seqid)
+                body = (b"\x0c" + struct.pack("!h", 2) + b"\x0b" + struct.pack("!h", 1)
+                        + struct.pack("!i", self.size) + b"r" * self.size + b"\x00" + b"\x00")
+                reply = head + body
+                c.sendall(reply[:100_000])
+                time.sleep(0.05)
+                c.sendall(reply[100_000:])
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_large_retryable_buffered_exception_is_read_whole_and_retried():
+    bad = BigBufferedExceptionUpstream(300_000)
+    good = ThriftServer(framing="buffered")
+    text = config_text([f"127.0.0.1:{bad.port}", good.address], transport="buffered").replace(
+        "      - cluster: up", "      - cluster: up\n        retry: {attempts: 2, idempotent: [lookup], "
+        "on_exceptions: [2], backoff: {base: 1ms, max: 2ms}}")
+    assert "on_exceptions" in text
+    try:
+        with Proxy(text) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            with client(p.port(), framing="buffered") as c:
+                for i in range(6):
+                    assert c.lookup(f"k{i}") == f"upstream:k{i}"
+            time.sleep(0.2)
+        # The same reply streams when the route would not retry it (so the above tested something).
+        with Proxy(config_text([f"127.0.0.1:{bad.port}"], transport="buffered")) as p:
+            plain = []
+            p.server.listeners["test"].pipeline.on_complete = plain.append
+            with client(p.port(), framing="buffered") as c:
+                with pytest.raises(Exception) as raised:
+                    c.lookup("down")
+                assert type(raised.value).__name__ == "Unavailable"
+            time.sleep(0.2)
+    finally:
+        bad.close()
+        good.stop()
+    lookups = [call for call in done if call.msg.name == "lookup"]
+    assert len(lookups) == 6
+    retried = [call for call in lookups if len(call.attempts) == 2]
+    assert retried and all(call.attempts[0].outcome == "declared_exception" for call in retried)
+    assert not any(call.streamed for call in lookups)
+    (call,) = [call for call in plain if call.msg.name == "lookup"]
+    # head 18 ("lookup"), field 2 header 3, field 1 header 3 + length 4, two STOPs
+    assert call.streamed and call.reply_size == 18 + 3 + 3 + 4 + 300_000 + 2

@@ -2,6 +2,8 @@
 
 Public surface:
     Decoder(framing, protocol, max_frame_size).feed(data) / .next_message()
+    Decoder.detach_unframed() -> (bytes so far, UnframedStream): a long unframed message passed
+    on as it arrives (proxy.codec.stream), its end found read by read
     Message (head + untouched wire bytes), Head, ProtocolError
     reframe(msg, framing, headers), frame_payload(...), exception_reply(head, type, text)
     Framing, Protocol, MessageType, AppErrorType

@@ -18,6 +18,11 @@ on how the bytes were cut into reads (tests/test_codec_fuzz.py).
 `pending_head()` reads the head of a message still arriving, to answer one that
 never completes (request_read_timeout, EOF) with the client's seqid.
 
+`unframed_head()` and `detach_unframed()` let a large unframed message stream: the
+first reads its head and first result field once they are here, the second hands the
+message's bytes so far and its scan over to a `proxy.codec.stream.UnframedStream`,
+which finds its end in the reads that follow without keeping them.
+
 `take(data)` is the hot path's shortcut: one read that is exactly one strict-binary
 framed message, nothing buffered: the same Message `feed` + `next_message` would give,
 with one struct unpack and no buffering. Anything else returns None and changes nothing
@@ -29,9 +34,10 @@ from __future__ import annotations
 import struct
 
 from proxy.codec.errors import Head, ProtocolError
-from proxy.codec.heads import MAX_NAME_LENGTH, read_head
+from proxy.codec.heads import MAX_NAME_LENGTH, peek_result_field, read_head
 from proxy.codec.message import Message
 from proxy.codec.scan import StructScanner
+from proxy.codec.stream import UnframedStream
 from proxy.codec.theader import INFLATE_PREFIX, inflate, parse_header_block
 from proxy.codec.wire import (
     COMPACT_PROTOCOL_ID,
@@ -51,6 +57,8 @@ _FRAME_HEAD = struct.Struct("!iIi")  # frame length, strict binary version|type,
 
 # Compact the buffer once this many consumed bytes sit in front of it.
 _COMPACT_AT = 64 * 1024
+# Bytes that always hold a result struct's first field header (compact: 1 + a 10-byte varint).
+_FIELD_HEAD_MAX = 11
 
 
 class Decoder:
@@ -147,6 +155,48 @@ class Decoder:
             elif framing is None:
                 framing = Framing.FRAMED
         return self._peek_head(buf, off + 4, end, framing)
+
+    def unframed_head(self) -> tuple[str, int, int, int | None] | None:
+        """(name, type, seqid, first result field) of the unframed message being scanned.
+
+        None until its head and its body's first field header are here. The field is a
+        REPLY's first result field id (`heads.peek_result_field`: None = STOP), else None.
+        For deciding whether a large reply streams. Changes nothing.
+        """
+        head = self._head
+        if head is None:
+            return None
+        name, mtype, seqid, body = head
+        buf = self._buf
+        body += self._off
+        if len(buf) - body < _FIELD_HEAD_MAX:
+            return None
+        field = peek_result_field(buf, body, len(buf), self.protocol) if mtype == MessageType.REPLY else None
+        return name, mtype, seqid, field
+
+    def detach_unframed(self) -> tuple[bytearray, UnframedStream]:
+        """Hand the unframed message being scanned over, to pass it on as it arrives.
+
+        Returns its bytes so far (the caller's now: nothing here touches them again) and
+        an `UnframedStream` that goes on with the scan in the reads that follow, under
+        the same max_frame_size. The decoder is left empty, as if the message had been
+        returned. Only after `unframed_head()` gave a head (the scan has begun).
+        """
+        if self._whole is not None:
+            self._buf += self._whole
+            self._whole = None
+        scanner = self._scanner
+        if scanner is None:
+            raise RuntimeError("detach_unframed: no unframed message is being scanned")
+        buf, off = self._buf, self._off
+        if off:
+            del buf[:off]
+            scanner.pos -= off
+        self._buf = bytearray()
+        self._off = 0
+        self._head = None
+        self._scanner = None
+        return buf, UnframedStream(scanner, buf, self.max_frame_size)
 
     # -- output ---------------------------------------------------------------
 
