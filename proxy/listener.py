@@ -356,11 +356,20 @@ class ClientConnection(asyncio.Protocol):
                 self._maybe_resume()
 
     def stream_abort(self, call: Call) -> None:
-        """The reply broke after bytes reached the client: only closing its connection is left."""
+        """The reply broke after bytes reached the client: only closing its connection is left.
+        The call is over all the same: recorded (metrics, a failed call's spans) like any other,
+        its write_response hop ending now."""
         self.stream_call = None
         self.stream_up = None
+        q = self.queue
+        if q and q[0] is call:
+            q.popleft()
+        now = monotonic_ns()
+        call.t_done = call.t_done or now
+        call.t_handed = now
         if self.transport is not None:
             self.transport.abort()
+        call.pipeline.completed(call)
 
     # -- calls ------------------------------------------------------------------
 

@@ -145,6 +145,8 @@ def test_upstream_reset_mid_stream_closes_only_that_client():
     up = RawBigUpstream(8_000_000, die_after=3_000_000)
     try:
         with Proxy(_big_config(f"127.0.0.1:{up.port}")) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
             with socket.create_connection(("127.0.0.1", p.port())) as s:
                 s.sendall(request_bytes("framed", "binary", "echo", b"", seqid=5))
                 s.settimeout(10)
@@ -157,6 +159,11 @@ def test_upstream_reset_mid_stream_closes_only_that_client():
                 assert 0 < got < 8_000_000  # part of it came, then the connection closed
             stats = p.server.listeners["test"].pipeline.stats
             assert stats["errors"] >= 1
+            time.sleep(0.1)
+            # the broken call is recorded like any other (metrics, a failed call's spans)
+            (call,) = [c for c in done if c.msg.name == "echo"]
+            assert call.streamed and call.outcome == "may_have_run" and call.error.startswith("may have run")
+            assert call.t_write <= call.t_handed and call.t_acked == 0
     finally:
         up.close()
 
