@@ -93,3 +93,49 @@ def test_take_agrees_with_the_general_path(mtype, name, seqid, body, version, cu
         assert again == ref if isinstance(ref, str) or ref is None else same(again, ref)
     else:
         assert ref not in (None, "error") and left == 0 and same(got, ref)
+
+
+@pytest.mark.parametrize("framing", [Framing.FRAMED, Framing.HEADER])
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(1, 120_000), min_size=1, max_size=6))
+def test_a_large_frame_gathered_from_its_reads_decodes_as_in_one_read(framing, cuts):
+    """Frames >= 16 KiB left incomplete by a read are gathered as the reads' bytes (joined once):
+    the same messages, heads and errors as feeding everything at once."""
+    from codec_fixtures import TestService, Wire, _send, write  # written by the Apache library
+
+    wire = Wire(framing, Protocol.BINARY)
+    big = write(wire, _send(TestService, 9, "echo", b"x" * 100_000))
+    small = write(wire, _send(TestService, 10, "ping"))
+    stream = big + small
+    ref = Decoder(framing, Protocol.BINARY)
+    ref.feed(stream)
+    want = [ref.next_message(), ref.next_message()]
+    dec = Decoder(framing, Protocol.BINARY)
+    got, pos, gathered = [], 0, False
+    for cut in sorted(set(cuts)) + [len(stream)]:
+        if cut <= pos:
+            continue
+        dec.feed(stream[pos:cut])
+        pos = cut
+        gathered |= dec._parts is not None
+        if pos < len(big):
+            assert dec.buffered == pos
+            head = dec.pending_head()
+            assert head is None or (head.seqid == 9 and head.name in ("echo", ""))  # "": THeader seqid only
+        while (m := dec.next_message()) is not None:
+            got.append(m)
+    assert [(m.name, m.seqid, bytes(m.data)) for m in got] == [(m.name, m.seqid, bytes(m.data)) for m in want]
+    assert dec.buffered == 0
+    if min(cuts) >= 64 and min(cuts) < len(big):
+        assert gathered  # the shortcut was taken
+
+
+def test_a_large_frame_cut_short_by_eof_reports_its_head():
+    body = b"\x0b\x00\x01" + struct.pack("!i", 50_000) + b"y" * 50_000 + b"\x00"
+    data = frame(MessageType.CALL, b"echo", 31, body)
+    dec = Decoder(Framing.FRAMED, Protocol.BINARY)
+    dec.feed(data[:20_000])
+    assert dec.next_message() is None and dec._parts is not None
+    with pytest.raises(ProtocolError) as e:
+        dec.eof()
+    assert e.value.head.seqid == 31 and "20000 bytes" in e.value.message

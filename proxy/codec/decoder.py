@@ -57,6 +57,11 @@ _FRAME_HEAD = struct.Struct("!iIi")  # frame length, strict binary version|type,
 
 # Compact the buffer once this many consumed bytes sit in front of it.
 _COMPACT_AT = 64 * 1024
+# A frame at least this long that a read leaves incomplete is gathered as a list of the reads'
+# bytes objects and joined once complete: one copy, where appending to the bytearray and then
+# copying the frame out costs two or more (and the bytearray's regrowth).
+_PARTS_MIN = 16 * 1024
+_HEAD_BYTES = 64  # ... when its first read holds this much (pending_head reads the head from it)
 # Bytes that always hold a result struct's first field header (compact: 1 + a 10-byte varint).
 _FIELD_HEAD_MAX = 11
 
@@ -78,6 +83,9 @@ class Decoder:
         self.max_frame_size = max_frame_size
         self._scanner_factory = scanner_factory or StructScanner
         self._whole: bytes | None = None  # a fed bytes object not yet copied into _buf
+        self._parts: list | None = None   # the reads of a large frame still arriving (_PARTS_MIN)
+        self._parts_have = 0               # their bytes
+        self._parts_need = 0               # the whole frame's bytes, length prefix included
         self._buf = bytearray()
         self._off = 0
         self._scanner = None               # StructScanner of the unframed message in progress
@@ -89,6 +97,21 @@ class Decoder:
 
     def feed(self, data) -> None:
         if not data:
+            return
+        parts = self._parts
+        if parts is not None:  # a large frame is arriving: keep the read as it is
+            missing = self._parts_need - self._parts_have
+            if not missing:
+                self._buf += data
+                return
+            if len(data) <= missing:
+                parts.append(bytes(data))
+                self._parts_have += len(data)
+                return
+            parts.append(bytes(data[:missing]))
+            self._parts_have += missing
+            data = data[missing:]  # the next messages: buffered behind the frame as usual
+            self._buf += data
             return
         if self._whole is None and self._off == len(self._buf):
             if self._buf:
@@ -105,9 +128,10 @@ class Decoder:
     @property
     def buffered(self) -> int:
         """Bytes received and not yet returned as messages (a started message)."""
+        n = self._parts_have if self._parts is not None else 0
         if self._whole is not None:
-            return len(self._whole)
-        return len(self._buf) - self._off
+            return n + len(self._whole)
+        return n + len(self._buf) - self._off
 
     def eof(self) -> None:
         """The peer closed its side: raise if a message was left half-sent."""
@@ -122,7 +146,9 @@ class Decoder:
         For answering a message that never completes (a read timeout, EOF) with the
         client's seqid. Changes nothing: the message is still read as usual.
         """
-        if self._whole is not None:
+        if self._parts is not None:
+            buf, off = self._parts[0], 0  # the frame's first read: its head, if any head is here
+        elif self._whole is not None:
             buf, off = self._whole, 0
         else:
             buf, off = self._buf, self._off
@@ -203,7 +229,8 @@ class Decoder:
     def take(self, data) -> Message | None:
         """`data` as one message, when it is exactly one whole framed strict-binary message
         and nothing is buffered; else None, and nothing changed (then `feed` it)."""
-        if (self._whole is not None or self._off != len(self._buf) or self.framing is not Framing.FRAMED
+        if (self._whole is not None or self._off != len(self._buf) or self._parts is not None
+                or self.framing is not Framing.FRAMED
                 or type(data) is not bytes):
             return None
         protocol = self.protocol
@@ -222,17 +249,37 @@ class Decoder:
 
     def next_message(self) -> Message | None:
         """The next complete message, or None when more bytes are needed."""
+        parts = self._parts
+        if parts is not None:
+            if self._parts_have < self._parts_need:
+                return None
+            self._parts = None
+            self._parts_have = self._parts_need = 0
+            data = b"".join(parts)
+            return self._framed(data, 0, len(data), self.framing)
         whole = self._whole
         if whole is not None:
             framing = self.framing
             if self._nesting_open and len(whole) >= 6 and _U16.unpack_from(whole, 4)[0] == THEADER_MAGIC:
                 self._nesting_open = False  # plain THeader (what _detect_nesting would decide)
-            if framing is Framing.FRAMED or (framing is Framing.HEADER and not self._nesting_open):
+            if framing is Framing.FRAMED or framing is Framing.FRAMED_HEADER or (
+                    framing is Framing.HEADER and not self._nesting_open):
                 n = len(whole)
-                if n > 4 and n - 4 <= self.max_frame_size and _I32.unpack_from(whole, 0)[0] == n - 4:
-                    # Fast path: the read was exactly one frame; keep the object as is.
-                    self._whole = None
-                    return self._framed(whole, 0, n, framing)
+                if n > 4 and framing is not Framing.FRAMED_HEADER:
+                    length = _I32.unpack_from(whole, 0)[0]
+                    if length == n - 4 and length <= self.max_frame_size:
+                        # Fast path: the read was exactly one frame; keep the object as is.
+                        self._whole = None
+                        return self._framed(whole, 0, n, framing)
+                if n >= _HEAD_BYTES:
+                    length = _I32.unpack_from(whole, 0)[0]
+                    if _PARTS_MIN <= length <= self.max_frame_size and length > n - 4:
+                        # A large frame, incomplete: gather its reads, join them once.
+                        self._whole = None
+                        self._parts = [whole]
+                        self._parts_have = n
+                        self._parts_need = 4 + length
+                        return None
             self._buf += whole
             self._whole = None
         buf = self._buf
