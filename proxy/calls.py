@@ -141,5 +141,8 @@ class Attempt(Exchange):
     def stream_data(self, data) -> None:
         self.call.conn.stream_write(self.call, data)
 
+    def stream_sized(self, size: int) -> None:
+        self.call.reply_size = size  # an unframed stream's size (a framed one's came with its head)
+
     def stream_end(self) -> None:
         self.call.pipeline.stream_end(self)

@@ -289,7 +289,7 @@ class Pipeline:
         call.streamed = True
         call.outcome = outcome
         call.result_field = head.result_field
-        call.reply_size = head.total
+        call.reply_size = head.total or 0  # unframed: no length up front (stream_sized at its end)
         call.conn.stream_begin(call, attempt.upconn)
         return True
 

@@ -111,14 +111,10 @@ class Exchange:
     def stream_end(self) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def stream_sized(self, size: int) -> None:
+    def stream_sized(self, size: int) -> None:  # pragma: no cover - interface
         """An unframed streamed reply's size, known only once it ended (or broke): what
-        `StreamHead.total` says up front for a framed one. Called before stream_end/on_failure.
-
-        The pipeline's Attempt inherits this default, which records it where
-        pipeline.stream_start put `head.total` (`call.reply_size`).
-        """
-        self.call.reply_size = size
+        `StreamHead.total` says up front for a framed one. Called before stream_end/on_failure."""
+        raise NotImplementedError
 
     def on_reply(self, reply: Message) -> None:  # pragma: no cover - interface
         raise NotImplementedError
