@@ -14,6 +14,7 @@ import pytest
 from harness import (Proxy, ProxyProcess, ThriftServer, client, config_text, free_port, proc_status, read_messages,
                      request_bytes)
 from proxy.codec import MessageType
+from proxy.codec.heads import write_varint
 
 
 def _big_config(upstream: str, port: int = 0, extra_cluster: str = "") -> str:
@@ -56,12 +57,14 @@ def test_reply_behind_a_pending_call_is_buffered_in_order():
         up.stop()
 
 
-class RawBigUpstream:
-    """A raw upstream answering any framed binary call with a reply carrying `size` bytes."""
+class RawUpstream:
+    """A raw upstream on a free port: each accepted connection is served by `_one(conn)` in its
+    own thread (which may leave it open); `close()` closes the listener and every connection."""
 
-    def __init__(self, size: int, die_after: int | None = None) -> None:
-        self.size = size
-        self.die_after = die_after
+    def __init__(self) -> None:
+        self.calls = 0
+        self.connections = 0
+        self.conns: list[socket.socket] = []
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(8)
@@ -74,20 +77,51 @@ class RawBigUpstream:
                 c, _ = self.sock.accept()
             except OSError:
                 return
+            self.connections += 1
+            self.conns.append(c)
             threading.Thread(target=self._one, args=(c,), daemon=True).start()
 
     def _one(self, c: socket.socket) -> None:
-        with c:
-            while True:
-                hdr = c.recv(4, socket.MSG_WAITALL)
-                if len(hdr) < 4:
+        raise NotImplementedError
+
+    def requests(self, c: socket.socket, framing: str = "framed", protocol: str = "binary"):
+        """(name, seqid) of each request read from `c`, until it closes."""
+        from proxy.codec import Decoder, Framing, Protocol
+
+        dec = Decoder(Framing(framing), Protocol(protocol))
+        while True:
+            call = dec.next_message()
+            if call is None:
+                try:
+                    data = c.recv(1 << 16)
+                except OSError:
                     return
-                n = struct.unpack("!i", hdr)[0]
-                req = c.recv(n, socket.MSG_WAITALL)
-                nlen = struct.unpack("!i", req[4:8])[0]
-                name = req[8:8 + nlen]
-                seqid = req[8 + nlen:12 + nlen]
-                head = struct.pack("!I", 0x80010002) + struct.pack("!i", len(name)) + name + seqid
+                if not data:
+                    return
+                dec.feed(data)
+                continue
+            self.calls += 1
+            yield call.name.encode(), call.seqid
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            with contextlib.suppress(OSError):
+                c.close()
+
+
+class RawBigUpstream(RawUpstream):
+    """A raw upstream answering any framed binary call with a reply carrying `size` bytes."""
+
+    def __init__(self, size: int, die_after: int | None = None) -> None:
+        self.size = size
+        self.die_after = die_after
+        super().__init__()
+
+    def _one(self, c: socket.socket) -> None:
+        with c:
+            for name, seqid in self.requests(c):
+                head = struct.pack("!Ii", 0x80010002, len(name)) + name + struct.pack("!i", seqid)
                 size = 10 if name == b"ping" else self.size
                 field = bytes((11,)) + struct.pack("!h", 0) + struct.pack("!i", size)
                 body_len = len(head) + len(field) + size + 1
@@ -104,9 +138,6 @@ class RawBigUpstream:
                         c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                         return  # reset mid-reply
                 c.sendall(b"\x00")
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 @pytest.mark.slow
@@ -135,10 +166,14 @@ def test_256_mib_reply_streams_with_bounded_memory():
             peak = proc_status(p.proc.pid, "VmHWM")
     finally:
         up.close()
-    growth_mib = (peak - base) / 1024
-    print(f"256 MiB reply: proxy RSS {base / 1024:.1f} MiB before, peak {peak / 1024:.1f} MiB "
+    _assert_rss_growth("256 MiB reply", base, peak)
+
+
+def _assert_rss_growth(what: str, base_kib: int, peak_kib: int, limit_mib: float = 32) -> None:
+    growth_mib = (peak_kib - base_kib) / 1024
+    print(f"{what}: proxy RSS {base_kib / 1024:.1f} MiB before, peak {peak_kib / 1024:.1f} MiB "
           f"(+{growth_mib:.1f} MiB)")
-    assert growth_mib <= 32, f"peak RSS grew by {growth_mib:.1f} MiB"
+    assert growth_mib <= limit_mib, f"peak RSS grew by {growth_mib:.1f} MiB"
 
 
 def test_upstream_reset_mid_stream_closes_only_that_client():
@@ -192,49 +227,29 @@ def test_a_connection_paused_by_backpressure_is_resumed_before_reuse():
         up.stop()
 
 
-class BigExceptionUpstream:
-    """A raw upstream answering every framed binary call with a declared exception (result
-    field 2) carrying `size` bytes, sent in two pieces 50 ms apart (so it cannot arrive in one
-    read and would stream if the proxy let it)."""
+class BigExceptionUpstream(RawUpstream):
+    """A raw upstream answering every call with a declared exception (result field 2) carrying
+    `size` bytes, sent in two pieces 50 ms apart: the first over stream_threshold and incomplete,
+    so the reply would stream if the proxy let it. `framing`: framed or buffered."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, framing: str = "framed") -> None:
         self.size = size
-        self.calls = 0
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._one, args=(c,), daemon=True).start()
+        self.framing = framing
+        super().__init__()
 
     def _one(self, c: socket.socket) -> None:
         with c:
-            while True:
-                hdr = c.recv(4, socket.MSG_WAITALL)
-                if len(hdr) < 4:
-                    return
-                req = c.recv(struct.unpack("!i", hdr)[0], socket.MSG_WAITALL)
-                self.calls += 1
-                nlen = struct.unpack("!i", req[4:8])[0]
-                name, seqid = req[8:8 + nlen], req[8 + nlen:12 + nlen]
-                head = struct.pack("!I", 0x80010002) + struct.pack("!i", len(name)) + name + seqid
+            for name, seqid in self.requests(c, self.framing):
+                head = struct.pack("!Ii", 0x80010002, len(name)) + name + struct.pack("!i", seqid)
                 # field 2 (Unavailable) { 1: string reason } then the result struct's stop
                 body = (b"\x0c" + struct.pack("!h", 2) + b"\x0b" + struct.pack("!h", 1)
                         + struct.pack("!i", self.size) + b"r" * self.size + b"\x00" + b"\x00")
-                frame = struct.pack("!i", len(head) + len(body)) + head + body
-                c.sendall(frame[:1000])
+                reply = head + body
+                if self.framing == "framed":
+                    reply = struct.pack("!i", len(reply)) + reply
+                c.sendall(reply[:100_000])
                 time.sleep(0.05)
-                c.sendall(frame[1000:])
-
-    def close(self) -> None:
-        self.sock.close()
+                c.sendall(reply[100_000:])
 
 
 def test_large_retryable_exception_is_read_whole_and_retried():
@@ -298,36 +313,15 @@ def test_slow_reader_of_a_streamed_reply_is_not_cut_by_the_route_timeout():
         up.close()
 
 
-class StallingUpstream:
-    """Sends the first 200 KB of a 1 MB reply, then nothing more."""
+class StallingUpstream(RawUpstream):
+    """Sends the first 200 KB of a 1 MB reply, then nothing more (the connection stays open)."""
 
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.port = self.sock.getsockname()[1]
-        self.conns: list[socket.socket] = []
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            self.conns.append(c)
-            req = c.recv(1 << 16)
-            nlen = struct.unpack("!i", req[8:12])[0]
-            name, seqid = req[12:12 + nlen], req[12 + nlen:16 + nlen]
-            head = struct.pack("!I", 0x80010002) + struct.pack("!i", len(name)) + name + seqid
+    def _one(self, c: socket.socket) -> None:
+        for name, seqid in self.requests(c):
+            head = struct.pack("!Ii", 0x80010002, len(name)) + name + struct.pack("!i", seqid)
             size = 1_000_000
             field = b"\x0b" + struct.pack("!h", 0) + struct.pack("!i", size)
             c.sendall(struct.pack("!i", len(head) + len(field) + size + 1) + head + field + b"s" * 200_000)
-
-    def close(self) -> None:
-        self.sock.close()
-        for c in self.conns:
-            c.close()
 
 
 def test_upstream_stalling_mid_stream_still_times_out():
@@ -365,14 +359,11 @@ def _buffered_config(upstream: str, port: int = 0, protocol: str = "binary", ext
 
 def _uvarint(n: int) -> bytes:
     out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
+    write_varint(out, n)
     return bytes(out)
 
 
-class RawBufferedUpstream:
+class RawBufferedUpstream(RawUpstream):
     """A raw unframed upstream: any call but ping gets a success reply carrying `size` bytes as a
     list<binary> of 1 MiB elements (so a size limit can be crossed mid-reply), written as it goes.
 
@@ -389,12 +380,7 @@ class RawBufferedUpstream:
         self.die_after = die_after
         self.garbage = garbage
         self.trailing = trailing
-        self.connections = 0
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__()
 
     def reply_pieces(self, name: bytes, seqid: int, size: int):
         """The reply, in the pieces it is written in (join them for the expected bytes)."""
@@ -418,39 +404,16 @@ class RawBufferedUpstream:
     def expected(self, name: bytes, seqid: int) -> bytes:
         return b"".join(self.reply_pieces(name, seqid, self.size))
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self._one, args=(c,), daemon=True).start()
-
     def _one(self, c: socket.socket) -> None:
-        from proxy.codec import Decoder, Framing, Protocol
-
-        dec = Decoder(Framing.BUFFERED, Protocol(self.protocol))
         with c, contextlib.suppress(OSError):  # the proxy may reset it (the tests that make it)
-            while True:
-                call = dec.next_message()
-                if call is None:
-                    data = c.recv(1 << 16)
-                    if not data:
-                        return
-                    dec.feed(data)
-                    continue
-                name = call.name.encode()
+            for name, seqid in self.requests(c, "buffered", self.protocol):
                 sent = 0
-                for piece in self.reply_pieces(name, call.seqid, 0 if name == b"ping" else self.size):
+                for piece in self.reply_pieces(name, seqid, 0 if name == b"ping" else self.size):
                     c.sendall(piece)
                     sent += len(piece)
                     if self.die_after is not None and sent >= self.die_after:
                         c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                         return  # reset mid-reply
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def _spy_streams(pipeline) -> list:
@@ -665,63 +628,11 @@ def test_256_mib_buffered_reply_streams_with_bounded_memory():
             peak = proc_status(p.proc.pid, "VmHWM")
     finally:
         up.close()
-    growth_mib = (peak - base) / 1024
-    print(f"256 MiB buffered reply: proxy RSS {base / 1024:.1f} MiB before, peak {peak / 1024:.1f} MiB "
-          f"(+{growth_mib:.1f} MiB)")
-    assert growth_mib <= 32, f"peak RSS grew by {growth_mib:.1f} MiB"
-
-
-class BigBufferedExceptionUpstream:
-    """A raw unframed upstream answering every call with a declared exception (result field 2)
-    carrying `size` bytes, sent in two pieces 50 ms apart: the first over stream_threshold and
-    incomplete, so it would stream if the proxy let it."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.calls = 0
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._one, args=(c,), daemon=True).start()
-
-    def _one(self, c: socket.socket) -> None:
-        from proxy.codec import Decoder, Framing, Protocol
-
-        dec = Decoder(Framing.BUFFERED, Protocol.BINARY)
-        with c:
-            while True:
-                call = dec.next_message()
-                if call is None:
-                    data = c.recv(1 << 16)
-                    if not data:
-                        return
-                    dec.feed(data)
-                    continue
-                self.calls += 1
-                name = call.name.encode()
-                head = struct.pack("!Ii", 0x80010002, len(name)) + name + struct.pack("!i", call.seqid)
-                body = (b"\x0c" + struct.pack("!h", 2) + b"\x0b" + struct.pack("!h", 1)
-                        + struct.pack("!i", self.size) + b"r" * self.size + b"\x00" + b"\x00")
-                reply = head + body
-                c.sendall(reply[:100_000])
-                time.sleep(0.05)
-                c.sendall(reply[100_000:])
-
-    def close(self) -> None:
-        self.sock.close()
+    _assert_rss_growth("256 MiB buffered reply", base, peak)
 
 
 def test_large_retryable_buffered_exception_is_read_whole_and_retried():
-    bad = BigBufferedExceptionUpstream(300_000)
+    bad = BigExceptionUpstream(300_000, "buffered")
     good = ThriftServer(framing="buffered")
     text = config_text([f"127.0.0.1:{bad.port}", good.address], transport="buffered").replace(
         "      - cluster: up", "      - cluster: up\n        retry: {attempts: 2, idempotent: [lookup], "
