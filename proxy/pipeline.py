@@ -252,6 +252,18 @@ class Pipeline:
             except Exception:  # a reply we framed but cannot peek: pass it on as is
                 field = None
             outcome = calls.DECLARED_EXCEPTION if field is not None and field > 0 else calls.SUCCESS
+        if (outcome is calls.SUCCESS and attempt is call.attempt and not call.cancelled
+                and reply.framing is call.msg.framing):
+            # The common case: the reply goes back first; the attempt's bookkeeping (breaker,
+            # timers, limits) is not what the client waits for.
+            attempt.outcome = outcome
+            call.result_field = field
+            call.outcome = outcome
+            self.finish(call, reply.data)
+            self._end_attempt(attempt, outcome)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%r replied: %d bytes, outcome %s", attempt, attempt.reply_size, outcome)
+            return
         self._end_attempt(attempt, outcome)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%r replied: %d bytes, outcome %s", attempt, attempt.reply_size, outcome)

@@ -211,9 +211,12 @@ class UpstreamConnection(asyncio.Protocol):
         if self.decoder.buffered:
             log.info("upstream %s sent bytes past its reply; closing that connection", self.label)
             self._discard()
-        else:
-            self.pool.release(self)
-        ex.on_reply(reply)
+            ex.on_reply(reply)
+            return
+        try:
+            ex.on_reply(reply)  # the reply on its way to the client first...
+        finally:
+            self.pool.release(self)  # ...then this connection back to the pool (or a waiter)
 
     # -- streaming a large reply -------------------------------------------------------
 

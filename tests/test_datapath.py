@@ -290,7 +290,8 @@ def test_tcp_nodelay_set_by_our_code_on_both_legs(monkeypatch):
                 accepted = conn.transport.get_extra_info("socket")
                 (ep,) = p.server.clusters["up"].endpoints
                 (pool,) = ep.pools.values()
-                dialed = pool.idle[0].transport.get_extra_info("socket")
+                # read on the loop: the connection goes back to the pool just after the reply
+                dialed = p.call(lambda: pool.idle[0].transport.get_extra_info("socket"))
                 assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
                 assert dialed.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
                 assert accepted.getsockname() in seen and dialed.getsockname() in seen
