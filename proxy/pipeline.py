@@ -235,12 +235,9 @@ class Pipeline:
     # 6-7: reply, classify ------------------------------------------------------------
 
     def attempt_replied(self, attempt: Attempt, reply: Message) -> None:
-        attempt.t_reply = monotonic_ns()
-        ep = attempt.endpoint
-        ep.outstanding -= 1
+        self._off_connection(attempt)
         if attempt.call.cluster.tracks_latency:  # only peak_ewma reads it
-            ep.ewma.observe((attempt.t_reply - attempt.t_written) / 1e9)
-        attempt.upconn = None
+            attempt.endpoint.ewma.observe((attempt.t_reply - attempt.t_written) / 1e9)
         attempt.reply_size = len(reply.data)
         call = attempt.call
         field = None
@@ -306,12 +303,9 @@ class Pipeline:
         return True
 
     def stream_end(self, attempt: Attempt) -> None:
-        attempt.t_reply = monotonic_ns()
-        ep = attempt.endpoint
-        ep.outstanding -= 1
+        self._off_connection(attempt)
         if attempt.call.cluster.tracks_latency:  # only peak_ewma reads it
-            ep.ewma.observe((attempt.t_first_reply - attempt.t_written) / 1e9)
-        attempt.upconn = None
+            attempt.endpoint.ewma.observe((attempt.t_first_reply - attempt.t_written) / 1e9)
         call = attempt.call
         attempt.reply_size = call.reply_size
         self._end_attempt(attempt, call.outcome)
@@ -324,10 +318,7 @@ class Pipeline:
             self._stream_failed(attempt, error.message)
             return
         self._leave_pending(attempt)
-        if attempt.upconn is not None:
-            attempt.endpoint.outstanding -= 1
-            attempt.upconn = None
-        attempt.t_reply = monotonic_ns()
+        self._off_connection(attempt)
         attempt.error = error.message
         if error.written:
             outcome = calls.TIMEOUT if error.timeout else calls.MAY_HAVE_RUN
@@ -340,6 +331,15 @@ class Pipeline:
         if self._retry(call, attempt, outcome, None):
             return
         self._give_up(call, error, outcome)
+
+    @staticmethod
+    def _off_connection(attempt: Attempt) -> None:
+        """The attempt is done with its upstream connection (replied, failed, gave up): when,
+        and no longer outstanding on its endpoint (what least_request balances on)."""
+        attempt.t_reply = monotonic_ns()
+        if attempt.upconn is not None:
+            attempt.endpoint.outstanding -= 1
+            attempt.upconn = None
 
     def _end_attempt(self, attempt: Attempt, outcome: str, endpoint_fault: bool = True) -> None:
         """Record an attempt's outcome once: breaker, limits, timers."""
@@ -444,10 +444,7 @@ class Pipeline:
     def _stream_failed(self, attempt: Attempt, why: str) -> None:
         """Reply bytes already went to the client: all we can do is close its connection."""
         call = attempt.call
-        if attempt.upconn is not None:
-            attempt.endpoint.outstanding -= 1
-            attempt.upconn = None
-        attempt.t_reply = monotonic_ns()
+        self._off_connection(attempt)
         attempt.error = why
         self._end_attempt(attempt, calls.MAY_HAVE_RUN)
         call.outcome = calls.MAY_HAVE_RUN
@@ -484,10 +481,7 @@ class Pipeline:
         if a is not None and not a.ended:
             error = self._stop_attempt(a, f"route timeout {_ms(timeout)}")
             self._leave_pending(a)
-            if a.upconn is not None:
-                a.endpoint.outstanding -= 1
-                a.upconn = None
-            a.t_reply = monotonic_ns()
+            self._off_connection(a)
             a.error = error.message
             self._end_attempt(a, calls.TIMEOUT if error.written else calls.NOT_SENT, False)
         else:

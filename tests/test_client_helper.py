@@ -10,7 +10,6 @@ import json
 import socket
 import statistics
 import sys
-import threading
 import time
 import warnings
 
@@ -28,7 +27,7 @@ from thrift.transport import THeaderTransport, TSocket, TTransport
 from thrift.transport.TTransport import TTransportException
 
 import proxy.client as client_mod
-from harness import FRAMINGS, PROTOCOLS, Proxy, ThriftServer, config_text, make_users
+from harness import FRAMINGS, PROTOCOLS, Proxy, RawUpstream, ThriftServer, config_text, make_users
 from proxy import spans, tracecontext
 from proxy.client import (DECODE, DECODE_BLOCKED_MS, ENCODE, SEND, WAIT, AcceleratorWarning,
                           check_accelerated, connect)
@@ -268,27 +267,17 @@ def test_a_broken_exchange_closes_the_connection_and_the_next_call_redials(memor
 # -- (c) trace context in THeader headers --------------------------------------------------------
 
 
-class HeaderRecorder:
+class HeaderRecorder(RawUpstream):
     """A THeader TestService server that records each request's info headers."""
 
     def __init__(self) -> None:
         from harness import Handler
 
         self.seen: list[dict[str, str]] = []
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
         self.processor = TestService.Processor(Handler("recorder"))
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
+    def _one(self, conn: socket.socket) -> None:
         sock = TSocket.TSocket()
         sock.setHandle(conn)
         prot = THeaderProtocol.THeaderProtocol(sock, [THeaderTransport.THeaderClientType.HEADERS])
@@ -301,9 +290,6 @@ class HeaderRecorder:
                 processor.process(prot, prot)
         except Exception:
             conn.close()
-
-    def close(self) -> None:
-        self.listener.close()
 
 
 @pytest.fixture

@@ -6,13 +6,12 @@ import contextlib
 import os
 import socket
 import struct
-import threading
 import time
 
 import pytest
 
-from harness import (Proxy, ProxyProcess, ThriftServer, client, config_text, free_port, proc_status, read_messages,
-                     request_bytes)
+from harness import (Proxy, ProxyProcess, RawUpstream, ThriftServer, client, config_text, free_port, proc_status,
+                     read_messages, request_bytes)
 from proxy.codec import MessageType
 from proxy.codec.heads import write_varint
 
@@ -55,59 +54,6 @@ def test_reply_behind_a_pending_call_is_buffered_in_order():
             assert second.type == MessageType.REPLY and len(second.data) == 3_000_028
     finally:
         up.stop()
-
-
-class RawUpstream:
-    """A raw upstream on a free port: each accepted connection is served by `_one(conn)` in its
-    own thread (which may leave it open); `close()` closes the listener and every connection."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.connections = 0
-        self.conns: list[socket.socket] = []
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            self.conns.append(c)
-            threading.Thread(target=self._one, args=(c,), daemon=True).start()
-
-    def _one(self, c: socket.socket) -> None:
-        raise NotImplementedError
-
-    def requests(self, c: socket.socket, framing: str = "framed", protocol: str = "binary"):
-        """(name, seqid) of each request read from `c`, until it closes."""
-        from proxy.codec import Decoder, Framing, Protocol
-
-        dec = Decoder(Framing(framing), Protocol(protocol))
-        while True:
-            call = dec.next_message()
-            if call is None:
-                try:
-                    data = c.recv(1 << 16)
-                except OSError:
-                    return
-                if not data:
-                    return
-                dec.feed(data)
-                continue
-            self.calls += 1
-            yield call.name.encode(), call.seqid
-
-    def close(self) -> None:
-        self.sock.close()
-        for c in self.conns:
-            with contextlib.suppress(OSError):
-                c.close()
 
 
 class RawBigUpstream(RawUpstream):

@@ -16,7 +16,7 @@ from collections import deque
 import pytest
 from thrift.Thrift import TApplicationException
 
-from harness import Proxy, app_exception, config_text, read_messages, request_bytes
+from harness import Proxy, RawUpstream, app_exception, config_text, read_messages, request_bytes
 from proxy.codec import MessageType
 
 MiB = 1024 * 1024
@@ -30,42 +30,29 @@ def reply_bytes(name: bytes, seqid: int, payload: bytes = b"raw") -> bytes:
     return struct.pack("!i", len(body)) + body
 
 
-class FaultUpstream:
+class FaultUpstream(RawUpstream):
     """A framed strict-binary upstream; each request takes the next behaviour from `plan`
     (default "ok"). `accepts` counts connections: a discarded connection shows as a new accept."""
 
     def __init__(self, default: str = "ok") -> None:
         self.default = default
         self.plan: deque[str] = deque()
-        self.accepts = 0
-        self.requests = 0
-        self.lsock = socket.socket()
-        self.lsock.bind(("127.0.0.1", 0))
-        self.lsock.listen(64)
-        self.port = self.lsock.getsockname()[1]
-        self.address = f"127.0.0.1:{self.port}"
         self.lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                c, _ = self.lsock.accept()
-            except OSError:
-                return
-            with self.lock:
-                self.accepts += 1
-            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+    @property
+    def accepts(self) -> int:
+        return self.connections
 
-    def _serve(self, c: socket.socket) -> None:
+    def _one(self, c: socket.socket) -> None:
         try:
             with c:
-                while self._one(c):
+                while self._request(c):
                     pass
         except OSError:
             pass
 
-    def _one(self, c: socket.socket) -> bool:
+    def _request(self, c: socket.socket) -> bool:
         hdr = c.recv(4, socket.MSG_WAITALL)
         if len(hdr) < 4:
             return False
@@ -75,7 +62,6 @@ class FaultUpstream:
         name = req[8:8 + nlen]
         (seqid,) = struct.unpack_from("!i", req, 8 + nlen)
         with self.lock:
-            self.requests += 1
             mode = self.plan.popleft() if self.plan else self.default
         if version & 0xFF == 4:  # oneway: nothing to answer
             return True
@@ -142,9 +128,6 @@ class FaultUpstream:
     def _reset(c: socket.socket) -> None:
         c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         c.close()
-
-    def close(self) -> None:
-        self.lsock.close()
 
 
 def _config(up: FaultUpstream, max_reply: str = "1MiB", threshold: str = "2MiB") -> str:
