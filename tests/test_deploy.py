@@ -732,21 +732,27 @@ def test_image_healthcheck_passes_while_serving(tmp_path, upstream):
 
 # The read-only root, as in the pod: a private mount namespace where / is remounted read-only,
 # the config folder is bind-mounted read-only at its real path (/etc gets an overlay whose
-# writable layer is a tmpfs only root can reach, just to have a mount point there), /root is
-# made traversable in an overlay (this machine's Python lives under it), and the command runs
-# as the image's UID/GID with no capabilities. Nothing on the host changes.
+# writable layer is a tmpfs only root can reach, just to have a mount point there), folders the
+# image's user could not pass through (/root, where this machine's Python lives; a checkout made
+# under `mktemp -d`) are made traversable in overlays, and the command runs as the image's
+# UID/GID with no capabilities. Nothing on the host changes.
 _READ_ONLY_ROOT = r"""
 set -eu
-W="$1"; CONF="$2"; MOUNT_AT="$3"; USERSPEC="$4"; shift 4
+W="$1"; CONF="$2"; MOUNT_AT="$3"; USERSPEC="$4"; OPEN="$5"; shift 5
 mount -t tmpfs -o size=4m,mode=0700 tmpfs "$W"
-mkdir "$W/etc-up" "$W/etc-work" "$W/root-up" "$W/root-work"
+mkdir "$W/etc-up" "$W/etc-work"
 mount -t overlay overlay -o "lowerdir=/etc,upperdir=$W/etc-up,workdir=$W/etc-work" /etc
 mkdir -p "$MOUNT_AT"
 mount --bind "$CONF" "$MOUNT_AT"
 mount -o remount,bind,ro "$MOUNT_AT"
-mount -t overlay overlay -o "lowerdir=/root,upperdir=$W/root-up,workdir=$W/root-work" /root
-chmod 0711 /root
-mount -o remount,bind,ro /root
+i=0
+for d in $OPEN; do  # outermost first
+  i=$((i + 1))
+  mkdir "$W/up$i" "$W/work$i"
+  mount -t overlay overlay -o "lowerdir=$d,upperdir=$W/up$i,workdir=$W/work$i" "$d"
+  chmod 0711 "$d"
+  mount -o remount,bind,ro "$d"
+done
 mount -o remount,bind,ro /etc
 mount -o remount,bind,ro /
 if touch /.rw-probe 2>/dev/null; then echo "root still writable" >&2; exit 99; fi
@@ -755,17 +761,27 @@ exec setpriv --reuid="${USERSPEC%%:*}" --regid="${USERSPEC##*:}" --clear-groups 
 """
 
 
-def _readable_by_others(paths: list[Path]) -> None:
-    """Fail clearly if another user could not reach these (/root is opened up in the namespace)."""
+def _folders_to_open(paths: list[Path]) -> list[Path]:
+    """The folders above `paths` another user cannot pass through (the namespace makes each
+    traversable in an overlay), outermost first. Fails clearly if `paths` themselves, or what
+    lies inside them, could not be read by another user."""
+    opened: list[Path] = []
     for path in paths:
         for part in [*reversed(path.parents), path]:
-            if part in (Path("/"), Path("/root")):
+            if part == Path("/"):
                 continue
             mode = part.stat().st_mode
+            if part != path and part.is_dir():
+                if not mode & 0o001 and part not in opened:
+                    if " " in str(part):
+                        pytest.fail(f"{part}: the namespace script cannot open a path with spaces")
+                    opened.append(part)
+                continue
             need = 0o005 if part.is_dir() else 0o004
             if mode & need != need:
                 pytest.fail(f"{part} (mode {oct(mode & 0o777)}) is not readable by other users, so the "
                             f"image's UID cannot run from this checkout; use umask 022 for the checkout/venv")
+    return sorted(opened, key=lambda p: len(p.parts))
 
 
 def test_image_command_on_a_read_only_root_as_the_image_user(tmp_path, upstream):
@@ -787,14 +803,15 @@ def test_image_command_on_a_read_only_root_as_the_image_user(tmp_path, upstream)
     (conf / config_path.name).chmod(0o644)
     # the image's user must be able to reach the interpreter and the package (pytest's own
     # temporary folders are 0700, so the config is bind-mounted, not read in place)
-    _readable_by_others([Path(os.path.realpath(sys.executable)), Path(os.__file__), _venv_bin(),
-                         Path(importlib.util.find_spec("proxy").origin).parent,
-                         Path(importlib.util.find_spec("thrift").origin).parent])
+    opened = _folders_to_open([Path(os.path.realpath(sys.executable)), Path(os.__file__), _venv_bin(),
+                               Path(importlib.util.find_spec("proxy").origin).parent,
+                               Path(importlib.util.find_spec("thrift").origin).parent])
     work = tmp_path / "ns"
     work.mkdir()
     uid, gid = image_user()
     argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", _READ_ONLY_ROOT, "sh",
-            str(work), str(conf), str(config_path.parent), f"{uid}:{gid}", *image_argv()]
+            str(work), str(conf), str(config_path.parent), f"{uid}:{gid}", " ".join(map(str, opened)),
+            *image_argv()]
     _console_script()  # found on the image's PATH in this venv
     log = tmp_path / "sidecar.log"
     with open(log, "w") as out:
