@@ -9,7 +9,7 @@ Thrift upstreams (tests/harness.py's ThriftServer) run in this process, and one 
 time is stopped (every connection closed) and started again at random. Eight client connections
 make a mix of calls: ping, lookup (also the declared NotFound), get_users and echo of various
 sizes, count, incr (not idempotent), oneway log_event, and pipelined batches. Idempotent
-methods are retried by the route; incr is not. Warm-up is a third of the run (at most 60 s); its
+methods are retried by the route; incr is not. Warm-up is half the run (at most 60 s); its
 first half makes only the largest calls on every connection at once, so the allocator reaches
 the high-water mark the mix will need (without it, glibc's heap keeps creeping up for ~2 minutes
 before it levels off: 68 -> 84 MiB, then flat for the rest of a 10-minute run).
@@ -55,7 +55,7 @@ RSS_TOLERANCE = 0.10
 FD_TOLERANCE = 0.10
 FD_SLACK = 5
 WINDOW = 5.0  # seconds of samples whose median is compared
-STREAM_USERS = 12_000  # ~1.3 MB reply: over the 1 MiB stream_threshold
+STREAM_USERS = 12_000  # ~1.3 MB reply: streams (over stream_threshold, 64 KiB)
 
 
 def sidecar_config(port: int, admin: int, endpoints: list[str]) -> str:
@@ -322,7 +322,7 @@ class Restarter(threading.Thread):
 def run(duration: float, connections: int = 8, seed: int = 1, warmup: float | None = None,
         restart_every: tuple[float, float] = (1.0, 4.0), down_for: tuple[float, float] = (0.2, 1.5),
         log=print, proxy_env: dict | None = None) -> dict:
-    warmup = warmup if warmup is not None else min(max(duration / 3, 5.0), 60.0)
+    warmup = warmup if warmup is not None else min(max(duration / 2, 5.0), 60.0)
     servers = [ThriftServer("framed", "binary", name=f"u{i}") for i in range(3)]
     port, admin = free_port(), free_port()
     proxy = ProxyProcess(sidecar_config(port, admin, [s.address for s in servers]), [port, admin], env=proxy_env)
