@@ -38,11 +38,11 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     pip wheel --wheel-dir /wheels /src
 
 # The runtime venv: no pip inside it; installed only from the wheels just built (no index).
-# Then prove the compiled parts are really there (add the scanner module here when it lands).
+# Then prove the compiled parts are really there (the project's own compiled modules too).
 RUN python -m venv --without-pip /opt/venv \
  && pip --python /opt/venv/bin/python install --no-index --no-cache-dir --find-links /wheels \
       /wheels/thrift_sidecar-*.whl \
- && /opt/venv/bin/python -c "import uvloop, proxy.cli; from thrift.protocol import fastbinary; from proxy.codec import _scan" \
+ && /opt/venv/bin/python -c "import uvloop, proxy.cli; from thrift.protocol import fastbinary; from proxy.codec import _scan, _message; from proxy import _hops" \
  && /opt/venv/bin/thrift-sidecar --help >/dev/null
 
 # ---------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ test: deps gen go-client jaeger chromium
 
 deps: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py proxy/codec/_scan.c
+$(STAMP): pyproject.toml setup.py $(wildcard proxy/*.c proxy/codec/*.c)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[test]'

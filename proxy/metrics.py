@@ -38,6 +38,7 @@ framed (bad request) counts under `_INVALID`.
 
 from __future__ import annotations
 
+import os
 from bisect import bisect_left
 from collections.abc import Iterable
 
@@ -72,6 +73,18 @@ _QUEUED = _HOP_INDEX[spans.QUEUED]
 _WRITE_RESPONSE = _HOP_INDEX[spans.WRITE_RESPONSE]
 
 _OK_OUTCOMES = frozenset((SUCCESS, DECLARED_EXCEPTION))
+
+
+def _compiled():
+    if os.environ.get("THRIFT_SIDECAR_PURE_PYTHON", "") not in ("", "0"):
+        return None
+    try:
+        from proxy import _hops
+    except ImportError:
+        return None
+    _hops.bind(_BOUNDS_NS, _READ_REQUEST, _ACQUIRE, _WRITE_UPSTREAM, _SERVICE_TIME, _READ_RESPONSE,
+               _BACKOFF, _QUEUED, _WRITE_RESPONSE)
+    return _hops.record_hops
 
 
 # --------------------------------------------------------------------------------------------
@@ -112,6 +125,65 @@ def call_end(call) -> int:
         if end:
             return end
     return call.t_framed or call.t_start
+
+
+def pure_record_hops(hops: list[list[int]], sums: list[int], call) -> None:
+    """One sample per hop of a finished call whose two timestamps are there and in order:
+    `hops[hop]` gets one more in the bucket of its duration, `sums[hop]` the duration (ns).
+    The reference for the compiled `proxy._hops.record_hops` (tests/test_metrics.py)."""
+    bounds = _BOUNDS_NS
+
+    t0 = call.t_start
+    t1 = call.t_framed
+    if t0 and t1 >= t0:
+        d = t1 - t0
+        hops[_READ_REQUEST][bisect_left(bounds, d)] += 1
+        sums[_READ_REQUEST] += d
+    for a in call.attempts:
+        t0 = a.t_acquire
+        t1 = a.t_acquired
+        if t0 and t1 >= t0:
+            d = t1 - t0
+            hops[_ACQUIRE][bisect_left(bounds, d)] += 1
+            sums[_ACQUIRE] += d
+            t0 = a.t_written
+            if t0 >= t1:
+                d = t0 - t1
+                hops[_WRITE_UPSTREAM][bisect_left(bounds, d)] += 1
+                sums[_WRITE_UPSTREAM] += d
+                t1 = a.t_first_reply or a.t_reply
+                if t1 >= t0:
+                    d = t1 - t0
+                    hops[_SERVICE_TIME][bisect_left(bounds, d)] += 1
+                    sums[_SERVICE_TIME] += d
+                    t0 = a.t_first_reply
+                    t1 = a.t_reply
+                    if t0 and t1 >= t0:
+                        d = t1 - t0
+                        hops[_READ_RESPONSE][bisect_left(bounds, d)] += 1
+                        sums[_READ_RESPONSE] += d
+    for t0, t1 in call.backoffs:
+        if t0 and t1 >= t0:
+            d = t1 - t0
+            hops[_BACKOFF][bisect_left(bounds, d)] += 1
+            sums[_BACKOFF] += d
+    t0 = call.t_done
+    t1 = call.t_write
+    if t0 and t1 >= t0:
+        d = t1 - t0
+        hops[_QUEUED][bisect_left(bounds, d)] += 1
+        sums[_QUEUED] += d
+        t0 = t1
+    t1 = call.t_acked or call.t_handed
+    if t0 and t1 >= t0:  # from t_write (else t_done, if the listener does not stamp t_write)
+        d = t1 - t0
+        hops[_WRITE_RESPONSE][bisect_left(bounds, d)] += 1
+        sums[_WRITE_RESPONSE] += d
+
+
+CompiledRecordHops = _compiled()
+record_hops = CompiledRecordHops or pure_record_hops
+HOPS_IMPL = "c" if CompiledRecordHops is not None else "python"
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,7 +244,7 @@ class ServiceMetrics:
         return st
 
     def record(self, call, end: int = 0) -> None:
-        """Count one finished call: its hops, its total, its outcome. A few µs.
+        """Count one finished call: its hops, its total, its outcome. About 1.5 µs (compiled hops).
         `end`: `call_end(call)` if the caller has it already."""
         msg = call.msg
         if msg is None:
@@ -181,60 +253,10 @@ class ServiceMetrics:
             st = self.by_name.get(msg.name)
             if st is None:
                 st = self._admit(msg.name)
-        bounds = _BOUNDS_NS
-        hops = st.hops
-        sums = st.hop_sums
-
-        t0 = call.t_start
-        t1 = call.t_framed
-        if t0 and t1 >= t0:
-            d = t1 - t0
-            hops[_READ_REQUEST][bisect_left(bounds, d)] += 1
-            sums[_READ_REQUEST] += d
-        for a in call.attempts:
-            t0 = a.t_acquire
-            t1 = a.t_acquired
-            if t0 and t1 >= t0:
-                d = t1 - t0
-                hops[_ACQUIRE][bisect_left(bounds, d)] += 1
-                sums[_ACQUIRE] += d
-                t0 = a.t_written
-                if t0 >= t1:
-                    d = t0 - t1
-                    hops[_WRITE_UPSTREAM][bisect_left(bounds, d)] += 1
-                    sums[_WRITE_UPSTREAM] += d
-                    t1 = a.t_first_reply or a.t_reply
-                    if t1 >= t0:
-                        d = t1 - t0
-                        hops[_SERVICE_TIME][bisect_left(bounds, d)] += 1
-                        sums[_SERVICE_TIME] += d
-                        t0 = a.t_first_reply
-                        t1 = a.t_reply
-                        if t0 and t1 >= t0:
-                            d = t1 - t0
-                            hops[_READ_RESPONSE][bisect_left(bounds, d)] += 1
-                            sums[_READ_RESPONSE] += d
-        for t0, t1 in call.backoffs:
-            if t0 and t1 >= t0:
-                d = t1 - t0
-                hops[_BACKOFF][bisect_left(bounds, d)] += 1
-                sums[_BACKOFF] += d
-        t0 = call.t_done
-        t1 = call.t_write
-        if t0 and t1 >= t0:
-            d = t1 - t0
-            hops[_QUEUED][bisect_left(bounds, d)] += 1
-            sums[_QUEUED] += d
-            t0 = t1
-        t1 = call.t_acked or call.t_handed
-        if t0 and t1 >= t0:  # from t_write (else t_done, if the listener does not stamp t_write)
-            d = t1 - t0
-            hops[_WRITE_RESPONSE][bisect_left(bounds, d)] += 1
-            sums[_WRITE_RESPONSE] += d
-
+        record_hops(st.hops, st.hop_sums, call)
         d = (end or call_end(call)) - call.t_start
         if d >= 0:
-            st.total[bisect_left(bounds, d)] += 1
+            st.total[bisect_left(_BOUNDS_NS, d)] += 1
             st.total_sum += d
         outcome = call_outcome(call)
         oc = st.outcomes

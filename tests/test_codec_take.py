@@ -1,13 +1,22 @@
-"""Decoder.take (the hot path's one-read-one-message shortcut) agrees with feed + next_message."""
+"""Decoder.take (the hot path's one-read-one-message shortcut) agrees with feed + next_message,
+and its compiled twin (proxy/codec/_message.c) agrees with the pure one on any input."""
 
 from __future__ import annotations
 
+import gc
+import os
 import struct
+import sys
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from proxy.codec import Decoder, Framing, MessageType, Protocol, ProtocolError
+from proxy.codec import Decoder, Framing, Message, MessageType, Protocol, ProtocolError
+from proxy.codec import message as message_mod
+from proxy.codec.message import CompiledTakeFramed, PureTakeFramed
+
+FORCED_PURE = os.environ.get("THRIFT_SIDECAR_PURE_PYTHON", "") not in ("", "0")
+needs_compiled = pytest.mark.skipif(CompiledTakeFramed is None, reason="proxy.codec._message not built")
 
 SLOTS = ("name", "type", "seqid", "framing", "protocol", "start", "header", "body")
 
@@ -139,3 +148,87 @@ def test_a_large_frame_cut_short_by_eof_reports_its_head():
     with pytest.raises(ProtocolError) as e:
         dec.eof()
     assert e.value.head.seqid == 31 and "20000 bytes" in e.value.message
+
+
+# -- the compiled twin --------------------------------------------------------------------------
+
+
+def test_compiled_take_is_built():
+    """`make test` runs the compiled shortcut: a build that silently fell back to pure Python fails here."""
+    if FORCED_PURE:
+        assert message_mod.TAKE_IMPL == "python" and message_mod.take_framed is PureTakeFramed
+        assert "MessageBase" not in [c.__name__ for c in Message.__mro__]
+        return
+    assert CompiledTakeFramed is not None, (
+        "proxy.codec._message is not built: `pip install -e .` (make deps) compiles proxy/codec/_message.c "
+        "with the system's C compiler; look for the build_ext warning in its output")
+    assert message_mod.TAKE_IMPL == "c" and message_mod.take_framed is CompiledTakeFramed
+    assert Message.__mro__[1].__name__ == "MessageBase"
+
+
+def both(data, protocol, max_frame_size: int):
+    pure = PureTakeFramed(data, protocol, max_frame_size)
+    compiled = CompiledTakeFramed(data, protocol, max_frame_size)
+    if pure is None:
+        assert compiled is None
+        return None
+    assert type(compiled) is Message and compiled.data is data and compiled.readable is data
+    for k in SLOTS:
+        assert getattr(compiled, k) == getattr(pure, k), k
+        assert type(getattr(compiled, k)) is type(getattr(pure, k)), k
+    return compiled
+
+
+@needs_compiled
+@settings(max_examples=600, deadline=None)
+@given(mtype=st.integers(-1, 260), name=st.binary(max_size=12) | st.text(max_size=6).map(str.encode),
+       seqid=st.integers(-2**31, 2**31 - 1), body=st.binary(max_size=20),
+       version=st.sampled_from([0x80010000, 0x80020000, 0x00010000, 0x80010100, 0xFFFF0000]),
+       cut=st.integers(-3, 3), junk=st.binary(max_size=6),
+       protocol=st.sampled_from(list(Protocol)), max_frame_size=st.sampled_from([16_384_000, 20, 0]),
+       length_delta=st.sampled_from([0, 0, 0, -1, 1, 2**31]))
+def test_compiled_take_framed_agrees_with_the_pure_one(mtype, name, seqid, body, version, cut, junk, protocol,
+                                                       max_frame_size, length_delta):
+    data = bytearray(frame(mtype & 0xFF, name, seqid, body, version))
+    if length_delta:
+        struct.pack_into("!I", data, 0, (len(data) - 4 + length_delta) & 0xFFFFFFFF)
+    data = bytes(data)
+    data = (data[:cut] if cut < 0 else data + junk[:cut]) or junk
+    both(data, protocol, max_frame_size)
+
+
+@needs_compiled
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=64), protocol=st.sampled_from(list(Protocol)))
+def test_compiled_take_framed_agrees_on_random_bytes(data, protocol):
+    both(data, protocol, 16_384_000)
+    both(struct.pack("!i", len(data)) + data, protocol, 16_384_000)
+
+
+@needs_compiled
+def test_compiled_take_framed_refuses_what_is_not_a_bytes_object():
+    data = frame(1, b"ping", 5)
+    assert both(data, Protocol.BINARY, 100) is not None
+    for other in (bytearray(data), memoryview(data)):
+        assert CompiledTakeFramed(other, Protocol.BINARY, 100) is None
+        assert PureTakeFramed(other, Protocol.BINARY, 100) is None
+    name = "métho\udcff".encode("utf-8", "surrogatepass")  # not valid UTF-8: replaced, as the pure one does
+    assert both(frame(1, name, 5), Protocol.BINARY, 100).name == name.decode("utf-8", "replace")
+
+
+@needs_compiled
+def test_a_compiled_message_is_a_whole_message_and_is_freed():
+    data = frame(MessageType.REPLY, b"Svc:get", -7, b"\x0c\x00\x00\x00")
+    refs = sys.getrefcount(data)
+    msg = CompiledTakeFramed(data, Protocol.BINARY_NONSTRICT, 1000)
+    assert (msg.service, msg.method, msg.head.seqid, msg.size, msg.oneway) == ("Svc", "get", -7, len(data), False)
+    assert msg.result_field() == 0 and msg.payload() == memoryview(data)[4:]
+    assert "Svc:get" in repr(msg) and msg.headers == {}
+    msg.seqid = 3  # writable, as the pure Message's slots are
+    assert msg.seqid == 3
+    with pytest.raises(AttributeError):
+        msg.other = 1  # no dict: slots only
+    assert sys.getrefcount(data) == refs + 2  # data and readable
+    del msg
+    gc.collect()
+    assert sys.getrefcount(data) == refs

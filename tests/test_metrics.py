@@ -8,15 +8,20 @@ two fixed labels, whatever names clients send.
 
 from __future__ import annotations
 
+import os
 import random
 import string
 import time
 import timeit
 
+import pytest
+from hypothesis import given, settings, strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.calls import NOT_SENT, SUCCESS, TIMEOUT, Call
-from proxy.metrics import BUCKETS, INVALID, OTHER, Metrics, call_outcome
+from proxy import metrics as metrics_mod
+from proxy.calls import NOT_SENT, SUCCESS, TIMEOUT, Attempt, Call
+from proxy.metrics import (BUCKETS, INVALID, OTHER, CompiledRecordHops, Metrics, MethodStats, call_outcome,
+                           pure_record_hops)
 
 import test_telemetry_fixtures as fx
 
@@ -160,3 +165,72 @@ def test_record_cost_printed():
         print(f"\nmetrics.record: {per * 1e6:.2f} µs/call ({len(c.attempts)} attempt(s))", end="")
     page = min(timeit.repeat(m.exposition, number=20, repeat=3, timer=time.thread_time)) / 20
     print(f"\nexposition: {page * 1e3:.2f} ms/scrape (1 method)")
+
+
+# -- the compiled twin of the hop update ---------------------------------------------------------
+
+
+def test_compiled_hops_are_built():
+    """`make test` runs the compiled hop update: a build that silently fell back to pure Python fails here."""
+    if os.environ.get("THRIFT_SIDECAR_PURE_PYTHON", "") not in ("", "0"):
+        assert metrics_mod.HOPS_IMPL == "python" and metrics_mod.record_hops is pure_record_hops
+        return
+    assert CompiledRecordHops is not None, (
+        "proxy._hops is not built: `pip install -e .` (make deps) compiles proxy/_hops.c "
+        "with the system's C compiler; look for the build_ext warning in its output")
+    assert metrics_mod.HOPS_IMPL == "c" and metrics_mod.record_hops is CompiledRecordHops
+
+
+# Timestamps near each other (so durations fall in every bucket, and out of order or 0 sometimes).
+_ns = st.one_of(st.just(0), st.integers(10**12, 10**12 + 40 * 10**9),
+                st.sampled_from([10**12 + b for b in (24_999, 25_000, 25_001, 30 * 10**9, 30 * 10**9 + 1)]))
+_attempt = st.fixed_dictionaries({k: _ns for k in ("t_acquire", "t_acquired", "t_written", "t_first_reply",
+                                                   "t_reply")})
+_call = st.fixed_dictionaries({k: _ns for k in ("t_start", "t_framed", "t_done", "t_write", "t_handed",
+                                                "t_acked")}).flatmap(
+    lambda times: st.tuples(st.just(times), st.lists(_attempt, max_size=3), st.lists(st.tuples(_ns, _ns), max_size=2)))
+
+
+def _make_call(spec) -> Call:
+    times, attempts, backoffs = spec
+    call = Call(None, fx.FakeMsg(), times["t_start"], times["t_framed"])
+    for k, v in times.items():
+        setattr(call, k, v)
+    for i, at in enumerate(attempts):
+        a = Attempt(call, None, i + 1, at["t_acquire"])
+        for k, v in at.items():
+            setattr(a, k, v)
+        call.attempts.append(a)
+    call.backoffs = list(backoffs)
+    return call
+
+
+@pytest.mark.skipif(CompiledRecordHops is None, reason="proxy._hops not built")
+@settings(max_examples=500, deadline=None)
+@given(specs=st.lists(_call, min_size=1, max_size=4))
+def test_compiled_hop_update_agrees_with_the_pure_one(specs):
+    pure, compiled = MethodStats("S", "m"), MethodStats("S", "m")
+    for spec in specs:
+        call = _make_call(spec)
+        pure_record_hops(pure.hops, pure.hop_sums, call)
+        CompiledRecordHops(compiled.hops, compiled.hop_sums, call)
+        assert compiled.hops == pure.hops and compiled.hop_sums == pure.hop_sums
+    assert all(type(v) is int for row in compiled.hops for v in row)
+
+
+@pytest.mark.skipif(CompiledRecordHops is None, reason="proxy._hops not built")
+def test_compiled_hop_update_refuses_what_it_cannot_read():
+    good = MethodStats("S", "m")
+    call = fx.call_retry()
+    CompiledRecordHops(good.hops, good.hop_sums, call)
+    with pytest.raises(TypeError):
+        CompiledRecordHops(tuple(good.hops), good.hop_sums, call)
+    with pytest.raises(TypeError):
+        CompiledRecordHops([[0] * 3] * len(good.hops), good.hop_sums, call)  # buckets of the wrong size
+    call.backoffs = [(1, 2, 3)]
+    with pytest.raises(TypeError):
+        CompiledRecordHops(good.hops, good.hop_sums, call)
+    call.backoffs = []
+    call.t_framed = None  # not a timestamp: an error, never a silent miscount
+    with pytest.raises(TypeError):
+        CompiledRecordHops(good.hops, good.hop_sums, call)

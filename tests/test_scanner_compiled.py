@@ -44,7 +44,8 @@ from proxy.codec.scan import CompiledStructScanner, PureStructScanner
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = Path(__file__).resolve().parent / "fuzz_corpus"
-FORCED_PURE = os.environ.get("THRIFT_SIDECAR_PURE_SCANNER", "") not in ("", "0")
+FORCED_PURE = any(os.environ.get(v, "") not in ("", "0")
+                  for v in ("THRIFT_SIDECAR_PURE_SCANNER", "THRIFT_SIDECAR_PURE_PYTHON"))
 
 FUZZ = os.environ.get("HYPOTHESIS_PROFILE") == "fuzz"
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "0")) or (25_000 if FUZZ else 200)
@@ -554,15 +555,17 @@ def test_decoder_agrees_with_either_scanner(inp):
 
 @pytest.mark.skipif(FORCED_PURE or CompiledStructScanner is None,
                     reason="runs the codec tests with the pure scanner when the compiled one is the default")
-def test_codec_tests_pass_with_the_pure_scanner():
-    """The decoder tests again, with THRIFT_SIDECAR_PURE_SCANNER=1: the fallback stays a working codec."""
-    env = dict(os.environ, THRIFT_SIDECAR_PURE_SCANNER="1")
+def test_codec_and_metrics_tests_pass_with_no_compiled_part():
+    """The decoder and metrics tests again, with THRIFT_SIDECAR_PURE_PYTHON=1 (no compiled part at
+    all): the fallbacks stay a working codec and hop histograms."""
+    env = dict(os.environ, THRIFT_SIDECAR_PURE_PYTHON="1")
     env.pop("HYPOTHESIS_PROFILE", None)
     env.pop("FUZZ_EXAMPLES", None)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
            "tests/test_codec_decode.py", "tests/test_codec_scan.py", "tests/test_codec_errors.py",
            "tests/test_codec_fuzz.py", "-k", "not test_decoding_does_not_depend_on_read_sizes or buffered or auto",
-           "tests/test_scanner_compiled.py::test_compiled_scanner_is_built"]
+           "tests/test_scanner_compiled.py::test_compiled_scanner_is_built",
+           "tests/test_codec_take.py", "tests/test_codec_stream.py", "tests/test_metrics.py"]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
 

@@ -8,7 +8,8 @@ Public surface:
     reframe(msg, framing, headers), frame_payload(...), exception_reply(head, type, text)
     Framing, Protocol, MessageType, AppErrorType
     SCANNER_IMPL: "c" or "python", the unframed-message scanner in use (proxy.codec.scan:
-    compiled from _scan.c when it was built, else pure Python; THRIFT_SIDECAR_PURE_SCANNER=1)
+    compiled from _scan.c when it was built, else pure Python; THRIFT_SIDECAR_PURE_SCANNER=1
+    or THRIFT_SIDECAR_PURE_PYTHON=1, which also turns off the other compiled twins)
 
 No sockets, loop, clock or logging in this package.
 """

@@ -25,8 +25,9 @@ which finds its end in the reads that follow without keeping them.
 
 `take(data)` is the hot path's shortcut: one read that is exactly one strict-binary
 framed message, nothing buffered: the same Message `feed` + `next_message` would give,
-with one struct unpack and no buffering. Anything else returns None and changes nothing
-(tests/test_codec_take.py checks both paths agree on any input).
+with no buffering (`proxy.codec.message.take_framed`, compiled when it was built). Anything
+else returns None and changes nothing (tests/test_codec_take.py checks both paths agree on
+any input).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from __future__ import annotations
 import struct
 
 from proxy.codec.errors import Head, ProtocolError
-from proxy.codec.heads import MAX_NAME_LENGTH, peek_result_field, read_head
-from proxy.codec.message import Message
+from proxy.codec.heads import peek_result_field, read_head
+from proxy.codec.message import Message, take_framed
 from proxy.codec.scan import StructScanner
 from proxy.codec.stream import UnframedStream
 from proxy.codec.theader import INFLATE_PREFIX, inflate, parse_header_block
@@ -53,7 +54,6 @@ from proxy.codec.wire import (
 
 _I32 = struct.Struct("!i")
 _U16 = struct.Struct("!H")
-_FRAME_HEAD = struct.Struct("!iIi")  # frame length, strict binary version|type, name length
 
 # Compact the buffer once this many consumed bytes sit in front of it.
 _COMPACT_AT = 64 * 1024
@@ -230,22 +230,9 @@ class Decoder:
         """`data` as one message, when it is exactly one whole framed strict-binary message
         and nothing is buffered; else None, and nothing changed (then `feed` it)."""
         if (self._whole is not None or self._off != len(self._buf) or self._parts is not None
-                or self.framing is not Framing.FRAMED
-                or type(data) is not bytes):
+                or self.framing is not Framing.FRAMED):
             return None
-        protocol = self.protocol
-        if protocol is not Protocol.BINARY and protocol is not Protocol.BINARY_NONSTRICT:
-            return None
-        n = len(data)
-        if n < 17:
-            return None
-        length, first, nlen = _FRAME_HEAD.unpack_from(data, 0)
-        body = 16 + nlen
-        if (length != n - 4 or length > self.max_frame_size or first & 0xFFFF0000 != 0x80010000
-                or not 1 <= first & 0xFF <= 4 or nlen < 0 or nlen > MAX_NAME_LENGTH or body >= n):
-            return None
-        return Message(data[12:12 + nlen].decode("utf-8", "replace"), first & 0xFF,
-                       _I32.unpack_from(data, 12 + nlen)[0], Framing.FRAMED, protocol, data, 4, None, data, body)
+        return take_framed(data, self.protocol, self.max_frame_size)
 
     def next_message(self) -> Message | None:
         """The next complete message, or None when more bytes are needed."""

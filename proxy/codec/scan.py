@@ -20,7 +20,7 @@ Two implementations of one interface: `cls(compact, pos=0, max_depth=64)`,
                            was not built; it agrees with the pure one step for step
                            (tests/test_scanner_compiled.py, `make fuzz`)
     StructScanner          the one to use: compiled if importable, else pure; the
-                           decoder's default. THRIFT_SIDECAR_PURE_SCANNER=1 forces pure.
+                           decoder's default. THRIFT_SIDECAR_PURE_SCANNER=1 (or _PURE_PYTHON=1) forces pure.
     SCANNER_IMPL           "c" or "python": which one StructScanner is.
 
 Nothing is logged at import.
@@ -345,7 +345,8 @@ def _compiled():
 
 CompiledStructScanner = _compiled()
 
-if CompiledStructScanner is not None and os.environ.get("THRIFT_SIDECAR_PURE_SCANNER", "") in ("", "0"):
+if CompiledStructScanner is not None and all(os.environ.get(v, "") in ("", "0") for v in (
+        "THRIFT_SIDECAR_PURE_SCANNER", "THRIFT_SIDECAR_PURE_PYTHON")):
     StructScanner = CompiledStructScanner
     SCANNER_IMPL = "c"
 else:
