@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from time import monotonic_ns
 
 from proxy.codec import Decoder, Framing, Head, MessageType, Protocol, ProtocolError, exception_reply
+from proxy.codec.wire import M_CALL, M_ONEWAY
 from proxy.calls import Call
 from proxy.pipeline import PREFIX
 from proxy.sockets import set_nodelay, unsent_bytes
@@ -133,7 +134,7 @@ class ClientConnection(asyncio.Protocol):
             msg = dec.take(data)  # the common case: this read is one whole request
             if msg is not None:
                 self.t_first = now
-                if msg.type == MessageType.CALL or msg.type == MessageType.ONEWAY:
+                if msg.type == M_CALL or msg.type == M_ONEWAY:
                     self.state.pipeline.handle(self, msg, now, now)
                 else:
                     self._bad_type(msg)
@@ -196,7 +197,7 @@ class ClientConnection(asyncio.Protocol):
                 break
             t_start = self.t_first
             self.t_first = now
-            if msg.type != MessageType.CALL and msg.type != MessageType.ONEWAY:
+            if msg.type != M_CALL and msg.type != M_ONEWAY:
                 self._bad_type(msg)
                 return
             pipeline.handle(self, msg, t_start, now)

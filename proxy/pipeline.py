@@ -33,8 +33,9 @@ from proxy import calls
 from proxy.breaker import CLOSED, classify_for_breaker
 from proxy.calls import Attempt, Call
 from proxy.codec.rename import strip_service
-from proxy.codec import (AppErrorType, Framing, Message, MessageType, Protocol, ProtocolError, exception_reply,
+from proxy.codec import (AppErrorType, Message, MessageType, Protocol, ProtocolError, exception_reply,
                          reframe)
+from proxy.codec.wire import F_FRAMED_HEADER, F_HEADER, M_EXCEPTION, M_ONEWAY
 from proxy.retry import RetryPolicy
 from proxy.upstream import UpstreamError
 
@@ -85,7 +86,7 @@ class Pipeline:
     def handle(self, conn, msg: Message, t_start: int, t_framed: int) -> None:
         self.stats["calls"] += 1
         call = Call(conn, msg, t_start, t_framed, self)
-        call.oneway = msg.type == MessageType.ONEWAY or (
+        call.oneway = msg.type == M_ONEWAY or (
             bool(self.oneway_methods) and (msg.name in self.oneway_methods or msg.method in self.oneway_methods))
         if not call.oneway:
             conn.queue.append(call)  # its place in the reply order
@@ -101,7 +102,7 @@ class Pipeline:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%r routed to cluster %s by route %d", call, cluster.name, route.index)
         if self.on_begin is not None and (msg.header is not None or
-                                          (cluster.framing is not None and cluster.framing.is_header)):
+                                          (cluster.framing is F_HEADER or cluster.framing is F_FRAMED_HEADER)):
             self.on_begin(call)
         limits = cluster.limits
         if limits is not None:
@@ -215,7 +216,7 @@ class Pipeline:
 
     def _request_bytes(self, call: Call, attempt: Attempt, framing) -> bytes:
         """The request as this upstream wants it: re-framed, renamed, with THeader headers added."""
-        if (framing is Framing.HEADER or framing is Framing.FRAMED_HEADER) and (
+        if (framing is F_HEADER or framing is F_FRAMED_HEADER) and (
                 call.deadline or self.on_send is not None):
             headers = dict(call.msg.headers)
             if call.deadline:
@@ -241,7 +242,7 @@ class Pipeline:
         attempt.reply_size = len(reply.data)
         call = attempt.call
         field = None
-        if reply.type == MessageType.EXCEPTION:
+        if reply.type == M_EXCEPTION:
             outcome = calls.APP_EXCEPTION
         else:
             try:
@@ -258,6 +259,13 @@ class Pipeline:
             call.outcome = outcome
             self.finish(call, reply.data)
             self._end_attempt(attempt, outcome)
+            if call.t_acked:
+                # Recorded already (the client's kernel took the reply at once): nothing calls
+                # these attempts back now, so they let go of the call. That breaks the
+                # call <-> attempt cycle: the call, its attempts and its request are freed by
+                # reference counting when the last holder drops them, not left to the cyclic GC.
+                for a in call.attempts:
+                    a.call = None
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%r replied: %d bytes, outcome %s", attempt, attempt.reply_size, outcome)
             return

@@ -27,6 +27,7 @@ from time import monotonic_ns
 import struct
 
 from proxy.codec import Decoder, Framing, Message, MessageType, Protocol, ProtocolError
+from proxy.codec.wire import M_EXCEPTION, M_REPLY
 from proxy.codec.heads import peek_result_field, read_head
 from proxy.codec.stream import UnframedStream
 from proxy.codec.theader import parse_header_block
@@ -204,7 +205,7 @@ class UpstreamConnection(asyncio.Protocol):
                 f"bad reply from {self.label}: seqid {reply.seqid} does not match the request's {ex.seqid}",
                 written=True))
             return
-        if reply.type != MessageType.REPLY and reply.type != MessageType.EXCEPTION:
+        if reply.type != M_REPLY and reply.type != M_EXCEPTION:
             self._fail(UpstreamError(f"bad reply from {self.label}: message type {reply.type}", written=True))
             return
         self.exchange_ = None

@@ -47,6 +47,7 @@ from proxy.codec.wire import (
     DEFAULT_MAX_FRAME_SIZE,
     THEADER_FIXED_SIZE,
     THEADER_MAGIC,
+    F_FRAMED,
     Framing,
     MessageType,
     Protocol,
@@ -230,7 +231,7 @@ class Decoder:
         """`data` as one message, when it is exactly one whole framed strict-binary message
         and nothing is buffered; else None, and nothing changed (then `feed` it)."""
         if (self._whole is not None or self._off != len(self._buf) or self._parts is not None
-                or self.framing is not Framing.FRAMED):
+                or self.framing is not F_FRAMED):
             return None
         return take_framed(data, self.protocol, self.max_frame_size)
 

@@ -18,6 +18,7 @@ from proxy.codec.wire import (
     COMPACT_VERSION,
     COMPACT_VERSION_MASK,
     C_STOP,
+    P_COMPACT,
     MessageType,
     Protocol,
     T_I32,
@@ -194,7 +195,7 @@ def peek_result_field(buf, body: int, end: int, protocol: Protocol) -> int | Non
     """
     if body >= end:
         raise ProtocolError("bad reply: result struct missing")
-    if protocol is Protocol.COMPACT:
+    if protocol is P_COMPACT:
         b = buf[body]
         if b == C_STOP:
             return None

@@ -48,6 +48,15 @@ class MessageType(enum.IntEnum):
     ONEWAY = 4
 
 
+# Hot-path aliases. On Python 3.11 `MessageType.CALL` goes through enum's member descriptor
+# (~95 ns a read, where a module global takes ~15): code that runs per call reads these instead.
+# The objects are the enum members themselves.
+M_CALL, M_REPLY, M_EXCEPTION, M_ONEWAY = MessageType.CALL, MessageType.REPLY, MessageType.EXCEPTION, MessageType.ONEWAY
+F_FRAMED, F_BUFFERED, F_HEADER, F_FRAMED_HEADER = (Framing.FRAMED, Framing.BUFFERED, Framing.HEADER,
+                                                   Framing.FRAMED_HEADER)
+P_BINARY, P_BINARY_NONSTRICT, P_COMPACT = Protocol.BINARY, Protocol.BINARY_NONSTRICT, Protocol.COMPACT
+
+
 class AppErrorType(enum.IntEnum):
     """TApplicationException types the proxy sends (Apache Thrift's numbering)."""
 
