@@ -10,7 +10,8 @@ the call recorded (metrics, sampling). Not a test: nothing here decides pass or 
     .venv/bin/python bench/hotpath.py                 # ping, tracing off
     .venv/bin/python bench/hotpath.py --calls 200000 --profile   # + cProfile, top 25
 
-A socketpair stands in for the client's socket so the write_response ioctl is real.
+A connected loopback TCP socket stands in for the client's, so the write_response ioctl
+(SIOCOUTQNSD) is the real one.
 """
 
 from __future__ import annotations
@@ -110,7 +111,10 @@ def main() -> int:
     lc = config.listeners[0]
     state = server.build_listener(lc)
 
-    a, b = socket.socketpair()
+    lsock = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(lsock.getsockname())
+    b, _ = lsock.accept()
+    lsock.close()
     conn = ClientConnection(state)
     conn.connection_made(CountingTransport(a))
 
