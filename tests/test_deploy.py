@@ -273,7 +273,8 @@ def test_dockerignore_keeps_what_the_build_needs():
         return False
 
     for needed in ["pyproject.toml", "README.md", "proxy/__init__.py", "proxy/cli.py",
-                   "proxy/codec/scan.py"]:
+                   "proxy/codec/scan.py", "setup.py", "proxy/codec/_scan.c", "proxy/codec/_message.c",
+                   "proxy/_hops.c"]:
         assert not ignored(needed), f".dockerignore drops {needed}, which `pip wheel .` needs"
     for dropped in [".git/HEAD", ".venv/bin/python", "tests/harness.py", "proxy/__pycache__/x.pyc",
                     "proxy/codec/_scan.cpython-311-x86_64-linux-gnu.so", "build/lib/x.py"]:
