@@ -38,7 +38,6 @@ framed (bad request) counts under `_INVALID`.
 
 from __future__ import annotations
 
-import os
 from bisect import bisect_left
 from collections.abc import Iterable
 
@@ -47,6 +46,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from proxy import spans
 from proxy.calls import DECLARED_EXCEPTION, MAY_HAVE_RUN, NOT_SENT, SUCCESS
+from proxy.codec.twins import load, pure_forced
 
 __all__ = ["BUCKETS", "Metrics", "ServiceMetrics", "call_end", "call_outcome", "is_failure",
            "OTHER", "INVALID"]
@@ -76,11 +76,8 @@ _OK_OUTCOMES = frozenset((SUCCESS, DECLARED_EXCEPTION))
 
 
 def _compiled():
-    if os.environ.get("THRIFT_SIDECAR_PURE_PYTHON", "") not in ("", "0"):
-        return None
-    try:
-        from proxy import _hops
-    except ImportError:
+    _hops = None if pure_forced() else load("proxy._hops")
+    if _hops is None:
         return None
     _hops.bind(_BOUNDS_NS, _READ_REQUEST, _ACQUIRE, _WRITE_UPSTREAM, _SERVICE_TIME, _READ_RESPONSE,
                _BACKOFF, _QUEUED, _WRITE_RESPONSE)
@@ -131,54 +128,40 @@ def pure_record_hops(hops: list[list[int]], sums: list[int], call) -> None:
     """One sample per hop of a finished call whose two timestamps are there and in order:
     `hops[hop]` gets one more in the bucket of its duration, `sums[hop]` the duration (ns).
     The reference for the compiled `proxy._hops.record_hops` (tests/test_metrics.py)."""
-    bounds = _BOUNDS_NS
 
-    t0 = call.t_start
-    t1 = call.t_framed
+    def sample(hop: int, d: int) -> None:
+        hops[hop][bisect_left(_BOUNDS_NS, d)] += 1
+        sums[hop] += d
+
+    t0, t1 = call.t_start, call.t_framed
     if t0 and t1 >= t0:
-        d = t1 - t0
-        hops[_READ_REQUEST][bisect_left(bounds, d)] += 1
-        sums[_READ_REQUEST] += d
+        sample(_READ_REQUEST, t1 - t0)
     for a in call.attempts:
-        t0 = a.t_acquire
-        t1 = a.t_acquired
+        t0, t1 = a.t_acquire, a.t_acquired
+        if not (t0 and t1 >= t0):
+            continue
+        sample(_ACQUIRE, t1 - t0)
+        t0 = a.t_written
+        if not t0 >= t1:
+            continue
+        sample(_WRITE_UPSTREAM, t0 - t1)
+        first = a.t_first_reply or a.t_reply
+        if not first >= t0:
+            continue
+        sample(_SERVICE_TIME, first - t0)
+        t0, t1 = a.t_first_reply, a.t_reply
         if t0 and t1 >= t0:
-            d = t1 - t0
-            hops[_ACQUIRE][bisect_left(bounds, d)] += 1
-            sums[_ACQUIRE] += d
-            t0 = a.t_written
-            if t0 >= t1:
-                d = t0 - t1
-                hops[_WRITE_UPSTREAM][bisect_left(bounds, d)] += 1
-                sums[_WRITE_UPSTREAM] += d
-                t1 = a.t_first_reply or a.t_reply
-                if t1 >= t0:
-                    d = t1 - t0
-                    hops[_SERVICE_TIME][bisect_left(bounds, d)] += 1
-                    sums[_SERVICE_TIME] += d
-                    t0 = a.t_first_reply
-                    t1 = a.t_reply
-                    if t0 and t1 >= t0:
-                        d = t1 - t0
-                        hops[_READ_RESPONSE][bisect_left(bounds, d)] += 1
-                        sums[_READ_RESPONSE] += d
+            sample(_READ_RESPONSE, t1 - t0)
     for t0, t1 in call.backoffs:
         if t0 and t1 >= t0:
-            d = t1 - t0
-            hops[_BACKOFF][bisect_left(bounds, d)] += 1
-            sums[_BACKOFF] += d
-    t0 = call.t_done
-    t1 = call.t_write
+            sample(_BACKOFF, t1 - t0)
+    t0, t1 = call.t_done, call.t_write
     if t0 and t1 >= t0:
-        d = t1 - t0
-        hops[_QUEUED][bisect_left(bounds, d)] += 1
-        sums[_QUEUED] += d
+        sample(_QUEUED, t1 - t0)
         t0 = t1
     t1 = call.t_acked or call.t_handed
     if t0 and t1 >= t0:  # from t_write (else t_done, if the listener does not stamp t_write)
-        d = t1 - t0
-        hops[_WRITE_RESPONSE][bisect_left(bounds, d)] += 1
-        sums[_WRITE_RESPONSE] += d
+        sample(_WRITE_RESPONSE, t1 - t0)
 
 
 CompiledRecordHops = _compiled()

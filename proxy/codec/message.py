@@ -13,29 +13,19 @@ the pure one and the slots.
 
 from __future__ import annotations
 
-import os
 import struct
 
 from proxy.codec.errors import Head
 from proxy.codec.heads import MAX_NAME_LENGTH, peek_result_field
 from proxy.codec.theader import HeaderBlock, inflate_all
+from proxy.codec.twins import load, pure_forced
 from proxy.codec.wire import DEFAULT_MAX_FRAME_SIZE, Framing, MessageType, Protocol
 
 _I32 = struct.Struct("!i")
 _FRAME_HEAD = struct.Struct("!iIi")  # frame length, strict binary version|type, name length
 
 
-def _compiled():
-    if os.environ.get("THRIFT_SIDECAR_PURE_PYTHON", "") not in ("", "0"):
-        return None
-    try:
-        from proxy.codec import _message
-    except ImportError:
-        return None
-    return _message
-
-
-_c = _compiled()
+_c = None if pure_forced() else load("proxy.codec._message")
 
 
 class _Fields:

@@ -28,9 +28,8 @@ Nothing is logged at import.
 
 from __future__ import annotations
 
-import os
-
 from proxy.codec.errors import ProtocolError
+from proxy.codec.twins import load, pure_forced
 
 # Frame kinds on the scanner's stack.
 _STRUCT = 0
@@ -335,18 +334,10 @@ def _read_uvarint(buf, pos: int, end: int):
     return None
 
 
-def _compiled():
-    try:
-        from proxy.codec._scan import StructScanner as compiled
-    except ImportError:
-        return None
-    return compiled
+_compiled = load("proxy.codec._scan")
+CompiledStructScanner = _compiled.StructScanner if _compiled is not None else None
 
-
-CompiledStructScanner = _compiled()
-
-if CompiledStructScanner is not None and all(os.environ.get(v, "") in ("", "0") for v in (
-        "THRIFT_SIDECAR_PURE_SCANNER", "THRIFT_SIDECAR_PURE_PYTHON")):
+if CompiledStructScanner is not None and not pure_forced("THRIFT_SIDECAR_PURE_SCANNER"):
     StructScanner = CompiledStructScanner
     SCANNER_IMPL = "c"
 else:
