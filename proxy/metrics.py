@@ -80,7 +80,7 @@ def _compiled():
     if _hops is None:
         return None
     _hops.bind(_BOUNDS_NS, _READ_REQUEST, _ACQUIRE, _WRITE_UPSTREAM, _SERVICE_TIME, _READ_RESPONSE,
-               _BACKOFF, _QUEUED, _WRITE_RESPONSE)
+               _BACKOFF, _QUEUED, _WRITE_RESPONSE, pure_record_hops)
     return _hops.record_hops
 
 

@@ -180,13 +180,24 @@ def both(data, protocol, max_frame_size: int):
 
 
 @needs_compiled
+@settings(max_examples=400, deadline=None)
+@given(mtype=st.integers(1, 4), name=st.binary(max_size=12) | st.text(max_size=6).map(str.encode),
+       seqid=st.sampled_from([0, -1, 2**31 - 1, -2**31]) | st.integers(-2**31, 2**31 - 1),
+       body=st.binary(min_size=1, max_size=20), protocol=st.sampled_from([Protocol.BINARY, Protocol.BINARY_NONSTRICT]),
+       slack=st.sampled_from([0, 1, 2**40, 2**63, 2**64]))
+def test_compiled_take_framed_builds_what_the_pure_one_builds(mtype, name, seqid, body, protocol, slack):
+    data = frame(mtype, name, seqid, body)
+    assert both(data, protocol, len(data) - 4 + slack) is not None  # every one of these is a message
+
+
+@needs_compiled
 @settings(max_examples=600, deadline=None)
 @given(mtype=st.integers(-1, 260), name=st.binary(max_size=12) | st.text(max_size=6).map(str.encode),
        seqid=st.integers(-2**31, 2**31 - 1), body=st.binary(max_size=20),
        version=st.sampled_from([0x80010000, 0x80020000, 0x00010000, 0x80010100, 0xFFFF0000]),
-       cut=st.integers(-3, 3), junk=st.binary(max_size=6),
-       protocol=st.sampled_from(list(Protocol)), max_frame_size=st.sampled_from([16_384_000, 20, 0]),
-       length_delta=st.sampled_from([0, 0, 0, -1, 1, 2**31]))
+       cut=st.integers(-3, 3), junk=st.binary(max_size=6), protocol=st.sampled_from(list(Protocol)),
+       max_frame_size=st.sampled_from([16_384_000, 2**64, 20, 0, -1, -2**64]) | st.integers(0, 40),
+       length_delta=st.sampled_from([0, -1, 1, 2**31]))
 def test_compiled_take_framed_agrees_with_the_pure_one(mtype, name, seqid, body, version, cut, junk, protocol,
                                                        max_frame_size, length_delta):
     data = bytearray(frame(mtype & 0xFF, name, seqid, body, version))
@@ -195,6 +206,37 @@ def test_compiled_take_framed_agrees_with_the_pure_one(mtype, name, seqid, body,
     data = bytes(data)
     data = (data[:cut] if cut < 0 else data + junk[:cut]) or junk
     both(data, protocol, max_frame_size)
+
+
+@needs_compiled
+@pytest.mark.parametrize("data,max_frame_size", [
+    (frame(1, b"", 9, b"\x00"), 100),                               # 17 bytes: the smallest message
+    (frame(1, b"", 9, b""), 100),                                    # 16 bytes: no body
+    (frame(1, b"ping", 9), len(frame(1, b"ping", 9)) - 4),           # length == max_frame_size
+    (frame(1, b"ping", 9), len(frame(1, b"ping", 9)) - 5),           # one over
+    (frame(1, b"ping", 9), len(frame(1, b"ping", 9)) - 3),           # one under
+    (frame(1, b"x" * 65536, 9), 10**6),                              # name of MAX_NAME_LENGTH
+    (frame(1, b"x" * 65537, 9), 10**6),                              # one over
+    (struct.pack("!iIi", 13, 0x80010001, -1) + b"\x00" * 5, 100),    # a negative name length
+    (struct.pack("!iIi", 13, 0x80010001, -2**31) + b"\x00" * 5, 100),
+    (frame(4, b"ping", -2**31), 2**80),                              # a huge limit, the lowest seqid
+    (frame(2, b"ping", 2**31 - 1), 2**80),
+    (frame(3, b"ping", 1), 100.5),                                   # a float limit: the pure one decides
+])
+def test_compiled_take_framed_edges(data, max_frame_size):
+    both(data, Protocol.BINARY, max_frame_size)
+    both(data, Protocol.BINARY_NONSTRICT, max_frame_size)
+
+
+@needs_compiled
+def test_a_limit_that_is_not_an_int_gets_the_pure_ones_answer():
+    data = frame(1, b"ping", 1)
+    for limit in (None, "16"):
+        with pytest.raises(TypeError):
+            PureTakeFramed(data, Protocol.BINARY, limit)
+        with pytest.raises(TypeError):
+            CompiledTakeFramed(data, Protocol.BINARY, limit)
+    assert CompiledTakeFramed(data[:3], Protocol.BINARY, None) is None  # too short: the limit is not read
 
 
 @needs_compiled
@@ -228,6 +270,11 @@ def test_a_compiled_message_is_a_whole_message_and_is_freed():
     assert msg.seqid == 3
     with pytest.raises(AttributeError):
         msg.other = 1  # no dict: slots only
+    import copy
+    import pickle
+    for twin in (copy.copy(msg), copy.deepcopy(msg), pickle.loads(pickle.dumps(msg))):
+        assert type(twin) is Message and all(getattr(twin, k) == getattr(msg, k) for k in SLOTS)
+        assert bytes(twin.data) == data
     assert sys.getrefcount(data) == refs + 2  # data and readable
     del msg
     gc.collect()

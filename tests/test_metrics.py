@@ -181,9 +181,14 @@ def test_compiled_hops_are_built():
     assert metrics_mod.HOPS_IMPL == "c" and metrics_mod.record_hops is CompiledRecordHops
 
 
-# Timestamps near each other (so durations fall in every bucket, and out of order or 0 sometimes).
-_ns = st.one_of(st.just(0), st.integers(10**12, 10**12 + 40 * 10**9),
-                st.sampled_from([10**12 + b for b in (24_999, 25_000, 25_001, 30 * 10**9, 30 * 10**9 + 1)]))
+# Timestamps from a small pool, so equal and out-of-order pairs are common (every `>=` is tried at
+# its edge), plus 0, the bucket edges, and values the fast path hands to the pure one: negative,
+# past 64 bits, floats, bools.
+_BASE = 10**12
+_pool = st.sampled_from([0, _BASE, _BASE + 1, _BASE + 24_999, _BASE + 25_000, _BASE + 25_001,
+                         _BASE + 30 * 10**9, _BASE + 30 * 10**9 + 1, _BASE + 10**6])
+_odd = st.sampled_from([-5, -2**63, 2**63 - 1, 2**64, 2**70, 1.5, True])
+_ns = _pool | _pool | _pool | _odd
 _attempt = st.fixed_dictionaries({k: _ns for k in ("t_acquire", "t_acquired", "t_written", "t_first_reply",
                                                    "t_reply")})
 _call = st.fixed_dictionaries({k: _ns for k in ("t_start", "t_framed", "t_done", "t_write", "t_handed",
@@ -205,32 +210,90 @@ def _make_call(spec) -> Call:
     return call
 
 
-@pytest.mark.skipif(CompiledRecordHops is None, reason="proxy._hops not built")
-@settings(max_examples=500, deadline=None)
-@given(specs=st.lists(_call, min_size=1, max_size=4))
-def test_compiled_hop_update_agrees_with_the_pure_one(specs):
+def _record_both(spec, start_sum: int = 0):
     pure, compiled = MethodStats("S", "m"), MethodStats("S", "m")
-    for spec in specs:
-        call = _make_call(spec)
-        pure_record_hops(pure.hops, pure.hop_sums, call)
-        CompiledRecordHops(compiled.hops, compiled.hop_sums, call)
-        assert compiled.hops == pure.hops and compiled.hop_sums == pure.hop_sums
-    assert all(type(v) is int for row in compiled.hops for v in row)
+    for st_ in (pure, compiled):
+        st_.hop_sums = [start_sum] * len(st_.hop_sums)
+    errors = []
+    for fn, st_ in ((pure_record_hops, pure), (CompiledRecordHops, compiled)):
+        try:
+            fn(st_.hops, st_.hop_sums, _make_call(spec))
+            errors.append(None)
+        except Exception as e:  # both must fail alike (e.g. a float duration's bucket) or not at all
+            errors.append(type(e))
+    assert errors[0] == errors[1]
+    assert compiled.hops == pure.hops and compiled.hop_sums == pure.hop_sums
+    return compiled
 
 
 @pytest.mark.skipif(CompiledRecordHops is None, reason="proxy._hops not built")
-def test_compiled_hop_update_refuses_what_it_cannot_read():
-    good = MethodStats("S", "m")
+@settings(max_examples=1000, deadline=None)
+@given(specs=st.lists(_call, min_size=1, max_size=4), start_sum=st.sampled_from([0, 0, 2**63 - 10**9, 2**64]))
+def test_compiled_hop_update_agrees_with_the_pure_one(specs, start_sum):
+    for spec in specs:
+        _record_both(spec, start_sum)
+
+
+@pytest.mark.skipif(CompiledRecordHops is None, reason="proxy._hops not built")
+def test_compiled_hop_update_agrees_at_each_edge():
+    b = _BASE
+    one = {"t_acquire": b, "t_acquired": b, "t_written": b, "t_first_reply": b, "t_reply": b}
+    times = {"t_start": b, "t_framed": b, "t_done": b, "t_write": b, "t_handed": b, "t_acked": 0}
+    st_ = _record_both((times, [one, dict(one)], [(b, b)]))
+    assert sum(map(sum, st_.hops)) == 2 + 2 * 4 + 1 + 1  # every hop at 0 ns counts, retries twice
+    late = dict(one, t_first_reply=b - 1)  # the reply's first byte before the write: no service_time
+    _record_both((times, [late], []))
+    _record_both((dict(times, t_start=0, t_framed=None), [one], []))  # `t_start and ...`: t_framed unread
+    _record_both((times, [dict(one, t_first_reply=0, t_reply=b + 5)], []))  # or t_reply
+    _record_both((times, [one], [(2**63 - 1, 2**64)]), start_sum=2**63 - 1)  # sums past 64 bits
+
+
+@pytest.mark.skipif(CompiledRecordHops is None, reason="proxy._hops not built")
+def test_compiled_hop_update_survives_attributes_that_change_the_call():
+    """Reading an attribute may run Python code; the compiled update holds what it reads."""
     call = fx.call_retry()
-    CompiledRecordHops(good.hops, good.hop_sums, call)
-    with pytest.raises(TypeError):
-        CompiledRecordHops(tuple(good.hops), good.hop_sums, call)
-    with pytest.raises(TypeError):
-        CompiledRecordHops([[0] * 3] * len(good.hops), good.hop_sums, call)  # buckets of the wrong size
+
+    class Shrinking(type(call.attempts[0])):
+        __slots__ = ()
+
+        @property
+        def t_written(self):
+            call.attempts.clear()  # the attempt being read loses its last other reference
+            return 0
+
+    victim = call.attempts[0]
+    call.attempts[0] = Shrinking.__new__(Shrinking)
+    for k in Attempt.__slots__:
+        if k != "t_written" and hasattr(victim, k):
+            setattr(call.attempts[0], k, getattr(victim, k))
+    del victim
+    st_ = MethodStats("S", "m")
+    CompiledRecordHops(st_.hops, st_.hop_sums, call)
+    assert st_.hops[metrics_mod._ACQUIRE] != [0] * len(st_.hops[0])
+
+
+@pytest.mark.skipif(CompiledRecordHops is None, reason="proxy._hops not built")
+def test_what_the_compiled_update_cannot_take_gets_the_pure_ones_answer():
+    call = fx.call_retry()
+    for hops, sums in [(tuple(MethodStats("S", "m").hops), MethodStats("S", "m").hop_sums),
+                       ([[0] * 3] * 8, [0] * 8)]:  # buckets of the wrong size
+        errors = []
+        for fn in (pure_record_hops, CompiledRecordHops):
+            try:
+                fn(list(map(list, hops)) if fn is pure_record_hops and isinstance(hops, tuple) else hops, sums, call)
+                errors.append(None)
+            except Exception as e:
+                errors.append(type(e))
+        assert errors[0] == errors[1]
+    call.backoffs = [[call.t_start, call.t_framed]]  # a list for a pair: pure takes it, so must we
+    _same(call)
     call.backoffs = [(1, 2, 3)]
-    with pytest.raises(TypeError):
-        CompiledRecordHops(good.hops, good.hop_sums, call)
-    call.backoffs = []
-    call.t_framed = None  # not a timestamp: an error, never a silent miscount
-    with pytest.raises(TypeError):
-        CompiledRecordHops(good.hops, good.hop_sums, call)
+    with pytest.raises(ValueError):
+        CompiledRecordHops(MethodStats("S", "m").hops, MethodStats("S", "m").hop_sums, call)
+
+
+def _same(call):
+    pure, compiled = MethodStats("S", "m"), MethodStats("S", "m")
+    pure_record_hops(pure.hops, pure.hop_sums, call)
+    CompiledRecordHops(compiled.hops, compiled.hop_sums, call)
+    assert compiled.hops == pure.hops and compiled.hop_sums == pure.hop_sums

@@ -10,15 +10,18 @@
  *                 `data` as one message when it is exactly one whole framed strict-binary
  *                 message: the same Message (same fields, same values) the pure
  *                 `take_framed` builds, made without running __init__; None for anything else.
+ *                 A max_frame_size that is not a plain int goes to the pure one.
  *
- * `bind(Message, FRAMED, BINARY, BINARY_NONSTRICT, max_name_length)` must be called once (by
- * proxy.codec.message) before take_framed: the class to build, the enum members it uses.
+ * `bind(Message, FRAMED, BINARY, BINARY_NONSTRICT, max_name_length, pure)` must be called once
+ * (by proxy.codec.message) before take_framed: the class to build, the enum members it uses,
+ * the pure take_framed.
  * tests/test_codec_take.py checks the twins agree on any input.
  */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <limits.h>
 #include <stdint.h>
 
 typedef struct {
@@ -39,6 +42,7 @@ static PyTypeObject *MessageCls;      /* proxy.codec.message.Message (a MessageB
 static PyObject *FRAMED, *BINARY, *BINARY_NONSTRICT;
 static Py_ssize_t MAX_NAME = 64 * 1024;
 static PyObject *FOUR;                /* the int 4: every framed message starts there */
+static PyObject *PURE;                /* proxy.codec.message.PureTakeFramed */
 
 static int
 MessageBase_traverse(MessageBase *self, visitproc visit, void *arg)
@@ -127,10 +131,15 @@ take_framed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *data = args[0], *protocol = args[1];
+    if (!PyLong_CheckExact(args[2]))
+        return PyObject_Vectorcall(PURE, args, 3, NULL);
     if (!PyBytes_CheckExact(data) || (protocol != BINARY && protocol != BINARY_NONSTRICT))
         Py_RETURN_NONE;
-    long long max_frame = PyLong_AsLongLong(args[2]);
-    if (max_frame == -1 && PyErr_Occurred())
+    int overflow;
+    long long max_frame = PyLong_AsLongLongAndOverflow(args[2], &overflow);
+    if (overflow)
+        max_frame = overflow > 0 ? LLONG_MAX : LLONG_MIN;
+    else if (max_frame == -1 && PyErr_Occurred())
         return NULL;
     Py_ssize_t n = PyBytes_GET_SIZE(data);
     if (n < 17)
@@ -145,19 +154,17 @@ take_framed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             || nlen < 0 || nlen > MAX_NAME || 16 + (Py_ssize_t)nlen >= n)
         Py_RETURN_NONE;
     Py_ssize_t body = 16 + (Py_ssize_t)nlen;
-    PyObject *name = PyUnicode_DecodeUTF8((const char *)p + 12, nlen, "replace");
-    if (name == NULL)
-        return NULL;
-    PyObject *type = PyLong_FromLong((long)mtype);
-    PyObject *seqid = PyLong_FromLong((long)(int32_t)be32(p + 12 + nlen));
-    PyObject *bodyo = PyLong_FromSsize_t(body);
-    MessageBase *m = (MessageBase *)MessageCls->tp_alloc(MessageCls, 0);
-    if (type == NULL || seqid == NULL || bodyo == NULL || m == NULL) {
-        Py_DECREF(name);
+    PyObject *name = NULL, *type = NULL, *seqid = NULL, *bodyo = NULL;
+    MessageBase *m = NULL;
+    if ((name = PyUnicode_DecodeUTF8((const char *)p + 12, nlen, "replace")) == NULL
+            || (type = PyLong_FromLong((long)mtype)) == NULL
+            || (seqid = PyLong_FromLong((long)(int32_t)be32(p + 12 + nlen))) == NULL
+            || (bodyo = PyLong_FromSsize_t(body)) == NULL
+            || (m = (MessageBase *)MessageCls->tp_alloc(MessageCls, 0)) == NULL) {
+        Py_XDECREF(name);
         Py_XDECREF(type);
         Py_XDECREF(seqid);
         Py_XDECREF(bodyo);
-        Py_XDECREF(m);
         return NULL;
     }
     m->name = name;
@@ -182,10 +189,15 @@ take_framed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 bind(PyObject *module, PyObject *args)
 {
-    PyObject *cls, *framed, *binary, *nonstrict;
+    PyObject *cls, *framed, *binary, *nonstrict, *pure;
     Py_ssize_t max_name;
-    if (!PyArg_ParseTuple(args, "O!OOOn:bind", &PyType_Type, &cls, &framed, &binary, &nonstrict, &max_name))
+    if (!PyArg_ParseTuple(args, "O!OOOnO:bind", &PyType_Type, &cls, &framed, &binary, &nonstrict, &max_name,
+                          &pure))
         return NULL;
+    if (!PyCallable_Check(pure)) {
+        PyErr_SetString(PyExc_TypeError, "bind: the pure take_framed must be callable");
+        return NULL;
+    }
     if (!PyType_IsSubtype((PyTypeObject *)cls, &MessageBaseType)) {
         PyErr_SetString(PyExc_TypeError, "bind: the class must subclass MessageBase");
         return NULL;
@@ -198,6 +210,8 @@ bind(PyObject *module, PyObject *args)
     Py_XSETREF(BINARY, binary);
     Py_INCREF(nonstrict);
     Py_XSETREF(BINARY_NONSTRICT, nonstrict);
+    Py_INCREF(pure);
+    Py_XSETREF(PURE, pure);
     MAX_NAME = max_name;
     Py_RETURN_NONE;
 }
@@ -207,7 +221,7 @@ static PyMethodDef module_methods[] = {
      "take_framed(data, protocol, max_frame_size) -> Message | None\n\n"
      "data as one Message when it is exactly one whole framed strict-binary message, else None."},
     {"bind", bind, METH_VARARGS,
-     "bind(Message, Framing.FRAMED, Protocol.BINARY, Protocol.BINARY_NONSTRICT, max_name_length)"},
+     "bind(Message, Framing.FRAMED, Protocol.BINARY, Protocol.BINARY_NONSTRICT, max_name_length, pure)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -102,6 +102,11 @@ class Message(_c.MessageBase if _c is not None else _Fields):
         readable = self.readable
         return peek_result_field(readable, self.body, len(readable), self.protocol)
 
+    def __reduce__(self):
+        """Copies and pickles the same whichever storage holds the fields (C has no default)."""
+        return (Message, (self.name, self.type, self.seqid, self.framing, self.protocol, self.data, self.start,
+                          self.header, self.readable, self.body))
+
     def __repr__(self) -> str:
         return (f"Message({self.name!r}, type={self.type}, seqid={self.seqid}, "
                 f"{self.framing.value}/{self.protocol.value}, {len(self.data)} bytes)")
@@ -124,7 +129,7 @@ def PureTakeFramed(data, protocol: Protocol, max_frame_size: int) -> Message | N
 
 
 if _c is not None:
-    _c.bind(Message, Framing.FRAMED, Protocol.BINARY, Protocol.BINARY_NONSTRICT, MAX_NAME_LENGTH)
+    _c.bind(Message, Framing.FRAMED, Protocol.BINARY, Protocol.BINARY_NONSTRICT, MAX_NAME_LENGTH, PureTakeFramed)
     CompiledTakeFramed = _c.take_framed
     take_framed = CompiledTakeFramed
     TAKE_IMPL = "c"
