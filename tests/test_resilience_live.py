@@ -189,7 +189,10 @@ def test_max_pending_excess_fails_fast_with_not_sent():
         assert len(rejected) >= 6
         for _, e, _ in rejected:
             assert e.message.startswith("thrift-sidecar: not sent: cluster 'up' has max_pending 2")
-        assert statistics.median(r[2] for r in rejected) < 0.02 + 0.05  # connect + call overhead
+        # Fast: typically 2-3 ms, and never a wait for the held connection (500 ms at least) or the
+        # 5 s acquire timeout. The bound leaves room for a pause of the whole test process (the
+        # proxy runs in it: a full GC of pytest's heap once took ~100 ms here).
+        assert statistics.median(r[2] for r in rejected) < 0.25
     finally:
         up.stop()
 

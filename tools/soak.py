@@ -17,7 +17,8 @@ before it levels off: 68 -> 84 MiB, then flat for the rest of a 10-minute run).
 Reported: calls and failures by kind; lost idempotent calls (an idempotent call whose client got
 an error or a wrong result: must be 0); incr at most once (no key ran twice on the upstreams);
 oneway delivery; the proxy's RSS and open fds (from /proc/PID) after warm-up and at the end,
-each the median of 5 s of samples under load. RSS must end within 10% of its warm-up value.
+each the median of 5 s of samples under load. RSS must not end more than 10% above its warm-up
+value (a leak grows; glibc's heap also swings ~±4 MiB under this mix, and ending lower is fine).
 Open fds follow the pools (upstream connections open on demand, close when idle or when their
 upstream restarts: 30-75 fds in one run), so the raw count is reported with a 10% + 5 verdict,
 and what must hold is the count of fds *not* held by a client or upstream connection (from
@@ -381,7 +382,7 @@ def run(duration: float, connections: int = 8, seed: int = 1, warmup: float | No
     fds_end = statistics.median(s[2] for s in end)
     other_warm = statistics.median(s[3] for s in warm)
     other_end = statistics.median(s[3] for s in end)
-    rss_ok = abs(rss_end - rss_warm) <= RSS_TOLERANCE * rss_warm
+    rss_ok = rss_end - rss_warm <= RSS_TOLERANCE * rss_warm  # one-sided: growth is the leak
     fds_ok = abs(fds_end - fds_warm) <= FD_TOLERANCE * fds_warm + FD_SLACK
     other_ok = abs(other_end - other_warm) <= FD_SLACK
 
@@ -418,7 +419,7 @@ def run(duration: float, connections: int = 8, seed: int = 1, warmup: float | No
                   "tracebacks": output.count("Traceback")},
         "rss_mib": {"after_warmup": round(rss_warm / 1024, 1), "end": round(rss_end / 1024, 1),
                     "max": round(max(s[1] for s in samples) / 1024, 1),
-                    "change_pct": round(100 * (rss_end - rss_warm) / rss_warm, 1), "within_10pct": rss_ok},
+                    "change_pct": round(100 * (rss_end - rss_warm) / rss_warm, 1), "grew_at_most_10pct": rss_ok},
         "fds": {"after_warmup": fds_warm, "end": fds_end, "min": min(s[2] for s in samples),
                 "max": max(s[2] for s in samples), "within_10pct_plus_5": fds_ok,
                 "not_connections_after_warmup": other_warm, "not_connections_end": other_end,
@@ -466,7 +467,7 @@ def format_report(r: dict) -> str:
         f"exit {r['proxy']['exit_code']}",
         f"  proxy RSS: {r['rss_mib']['after_warmup']} MiB after {r['warmup_s']:.0f}s warm-up, "
         f"{r['rss_mib']['end']} MiB at the end ({r['rss_mib']['change_pct']:+.1f}%, max "
-        f"{r['rss_mib']['max']}): {'within' if r['rss_mib']['within_10pct'] else 'NOT within'} 10%",
+        f"{r['rss_mib']['max']}): {'grew at most' if r['rss_mib']['grew_at_most_10pct'] else 'grew MORE than'} 10%",
         f"  proxy open fds: {r['fds']['after_warmup']:.0f} after warm-up, {r['fds']['end']:.0f} at the end "
         f"(range {r['fds']['min']}-{r['fds']['max']}): "
         f"{'within' if r['fds']['within_10pct_plus_5'] else 'NOT within'} 10% + 5 (pool sizes vary)",
