@@ -413,6 +413,9 @@ class Server:
             "clusters": clusters,
             "health_checks": {name: h.stats for name, h in self.health.items()},
             "loop_lag_max_ms": round(self.lag.max_lag_ns / 1e6, 3),
+            # Python's small-object blocks in use: what a leak of Python objects grows, without
+            # the allocator's RSS swings (tools/soak.py watches it)
+            "python_allocated_blocks": sys.getallocatedblocks(),
         }
         if self.telemetry is not None and self.telemetry.queue is not None:
             q = self.telemetry.queue
