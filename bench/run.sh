@@ -162,5 +162,11 @@ if [[ $only != framed ]]; then
     --out "$results/bench-$stamp-buffered.json"
 fi
 
+{
+  echo
+  echo "## memory (bench/memory.py: the demo config; issue 10: <= 80 MiB idle, <= 200 MiB with 1,000 idle connections)"
+  "$venv/bin/python" "$here/memory.py" 2>&1 || echo "run.sh: bench/memory.py failed"
+} | tee -a "$log"
+
 echo "tables and logs: $log" | tee -a "$log"
 exit $status

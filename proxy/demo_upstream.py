@@ -109,9 +109,9 @@ class Handler:
             n = self.calls
         if self.fail_every and n % self.fail_every == 0:
             raise Unavailable(reason=f"busy (1 get_users in {self.fail_every} fails on purpose)")
-        if sleep_ms > 0:
-            time.sleep(min(sleep_ms, 60_000) / 1000)
-        return self.users.first(max(0, min(count, MAX_USERS)))
+        if sleep_ms:  # an argument the client left out arrives as None
+            time.sleep(min(max(sleep_ms, 0), 60_000) / 1000)
+        return self.users.first(max(0, min(count or 0, MAX_USERS)))
 
 
 def protocol_factory(framing: str, protocol: str):
