@@ -11,7 +11,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 from thrift.Thrift import TApplicationException
 
 from harness import Proxy, ThriftServer, client
