@@ -188,9 +188,7 @@ class UpstreamConnection(asyncio.Protocol):
         try:
             reply = dec.next_message()
         except ProtocolError as e:
-            why = e.message.removeprefix("bad request: ").replace("max_frame_size", "max_reply_size")
-            self._fail(UpstreamError(f"bad reply from {self.label}: {why}",
-                                     written=True))
+            self._fail_garbage(e)
             return
         if reply is None:
             if self._may_stream and dec.buffered >= self.stream_threshold:
@@ -200,13 +198,8 @@ class UpstreamConnection(asyncio.Protocol):
 
     def _replied(self, ex: Exchange, reply: Message) -> None:
         """A whole reply: checked, the connection back to the pool, the exchange told."""
-        if reply.seqid != ex.seqid:
-            self._fail(UpstreamError(
-                f"bad reply from {self.label}: seqid {reply.seqid} does not match the request's {ex.seqid}",
-                written=True))
-            return
-        if reply.type != M_REPLY and reply.type != M_EXCEPTION:
-            self._fail(UpstreamError(f"bad reply from {self.label}: message type {reply.type}", written=True))
+        if reply.seqid != ex.seqid or (reply.type != M_REPLY and reply.type != M_EXCEPTION):
+            self._fail_head(ex, reply.seqid, reply.type)
             return
         self.exchange_ = None
         if self.decoder.buffered:
@@ -247,13 +240,8 @@ class UpstreamConnection(asyncio.Protocol):
             self._probe = None
             return buf
         self._probe = None
-        if head.seqid != ex.seqid:
-            self._fail(UpstreamError(
-                f"bad reply from {self.label}: seqid {head.seqid} does not match the request's {ex.seqid}",
-                written=True))
-            return None
-        if head.type != MessageType.REPLY and head.type != MessageType.EXCEPTION:
-            self._fail(UpstreamError(f"bad reply from {self.label}: message type {head.type}", written=True))
+        if head.seqid != ex.seqid or (head.type != M_REPLY and head.type != M_EXCEPTION):
+            self._fail_head(ex, head.seqid, head.type)
             return None
         if not ex.start_stream(head):
             return buf  # read it whole after all
@@ -269,14 +257,7 @@ class UpstreamConnection(asyncio.Protocol):
             ex.stream_data(data)
             return
         self._stream_left = 0
-        self.exchange_ = None
-        ex.stream_data(data if n == left else memoryview(data)[:left])
-        if n > left:
-            log.info("upstream %s sent bytes past its reply; closing that connection", self.label)
-            self._discard()
-        else:
-            self.pool.release(self)  # resumes our reading if backpressure paused it
-        ex.stream_end()
+        self._stream_last(ex, data, left)
 
     def _begin_unframed_stream(self, ex: Exchange) -> None:
         """An unframed reply is still incomplete after `stream_threshold` bytes: stream the rest?
@@ -299,13 +280,8 @@ class UpstreamConnection(asyncio.Protocol):
             return  # its first field header is not here yet (a huge method name)
         self._may_stream = False  # asked once per reply
         name, mtype, seqid, field = head
-        if seqid != ex.seqid:
-            self._fail(UpstreamError(
-                f"bad reply from {self.label}: seqid {seqid} does not match the request's {ex.seqid}",
-                written=True))
-            return
-        if mtype != MessageType.REPLY and mtype != MessageType.EXCEPTION:
-            self._fail(UpstreamError(f"bad reply from {self.label}: message type {mtype}", written=True))
+        if seqid != ex.seqid or (mtype != M_REPLY and mtype != M_EXCEPTION):
+            self._fail_head(ex, seqid, mtype)
             return
         if not ex.start_stream(StreamHead(name, mtype, seqid, field, None, Framing.BUFFERED)):
             return  # read it whole after all
@@ -317,15 +293,19 @@ class UpstreamConnection(asyncio.Protocol):
         try:
             n = tail.feed(data)
         except ProtocolError as e:
-            why = e.message.removeprefix("bad request: ").replace("max_frame_size", "max_reply_size")
-            self._fail(UpstreamError(f"bad reply from {self.label}: {why}", written=True))
+            self._fail_garbage(e)
             return
         if not tail.done:
             ex.stream_data(data)
             return
         self._tail = None
-        self.exchange_ = None
         ex.stream_sized(tail.size)
+        self._stream_last(ex, data, n)
+
+    def _stream_last(self, ex: Exchange, data: bytes, n: int) -> None:
+        """The read holding a streamed reply's end (its first `n` bytes): passed on, then the
+        connection back to the pool, or discarded if the upstream sent bytes past the reply."""
+        self.exchange_ = None
         ex.stream_data(data if n == len(data) else memoryview(data)[:n])
         if n < len(data):
             log.info("upstream %s sent bytes past its reply; closing that connection", self.label)
@@ -383,6 +363,19 @@ class UpstreamConnection(asyncio.Protocol):
         if ex is not None:
             self._stream_cut(ex)
         self._discard()
+
+    def _fail_head(self, ex: Exchange, seqid: int, mtype: int) -> None:
+        """A reply whose head does not answer the request (another seqid, not REPLY/EXCEPTION)."""
+        if seqid != ex.seqid:
+            why = f"seqid {seqid} does not match the request's {ex.seqid}"
+        else:
+            why = f"message type {mtype}"
+        self._fail(UpstreamError(f"bad reply from {self.label}: {why}", written=True))
+
+    def _fail_garbage(self, e: ProtocolError) -> None:
+        """A reply the codec cannot read, said in the reply's terms."""
+        why = e.message.removeprefix("bad request: ").replace("max_frame_size", "max_reply_size")
+        self._fail(UpstreamError(f"bad reply from {self.label}: {why}", written=True))
 
     def _fail(self, error: UpstreamError) -> None:
         ex = self.exchange_
