@@ -128,7 +128,9 @@ def test_weighted_clusters_90_10_over_5000_calls():
     try:
         text = proxy_yaml(
             "      - weighted: [{cluster: stable, weight: 90}, {cluster: canary, weight: 10}]",
-            cluster_yaml("stable", f"[{ups[0].address}, {ups[1].address}]")
+            # round_robin inside "stable" so its two endpoints split exactly; least_request
+            # (the default) rightly favours whichever server thread the shared cores run faster.
+            cluster_yaml("stable", f"[{ups[0].address}, {ups[1].address}]", lb="round_robin")
             + cluster_yaml("canary", f"[{ups[2].address}]"))
         with Proxy(text) as p:
             load = Load(p.port(), threads=2, calls=2500)
@@ -137,7 +139,7 @@ def test_weighted_clusters_90_10_over_5000_calls():
         calls = [u.handler.calls for u in ups]
         assert sum(calls) == 5000
         assert abs(calls[2] / 5000 - 0.10) <= 0.03, calls
-        assert abs(calls[0] - calls[1]) / 5000 < 0.05, calls   # stable: two equal endpoints
+        assert abs(calls[0] - calls[1]) <= 1, calls   # stable: round robin over two endpoints
     finally:
         for u in ups:
             u.stop()
