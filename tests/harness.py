@@ -60,9 +60,24 @@ def open_fds(pid: int) -> int:
 
 
 def free_port() -> int:
+    """One free port. For several at once use `free_ports(n)`: calls in a row may repeat a port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports: each socket stays bound until all are chosen, so none repeats."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def make_users(count: int) -> list:

@@ -245,10 +245,12 @@ def test_a_broken_exchange_closes_the_connection_and_the_next_call_redials(memor
     tracer, exporter = memory
     server = ThriftServer("framed", "binary")
     try:
-        with connect(TestService.Client, port=server.port, timeout=0.2, tracer=tracer) as c:
+        # 0.5 s leaves a busy machine time to redial and answer the lookup; the sleep reply comes
+        # at 1.5 s, so a lookup that read the old connection would still time out waiting for it
+        with connect(TestService.Client, port=server.port, timeout=0.5, tracer=tracer) as c:
             assert nodelay_of(c._sock)
             with pytest.raises(TTransportException) as raised:
-                c.sleep(600)
+                c.sleep(1500)
             assert raised.value.type == TTransportException.TIMED_OUT
             # a new connection: the late sleep reply cannot be read as this call's reply
             assert c.lookup("k") == "upstream:k"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
@@ -308,6 +308,7 @@ def test_format_duration(seconds, text):
     assert format_duration(seconds) == text
 
 
+@settings(deadline=None)  # a busy machine can take 200 ms over any example
 @given(st.floats(min_value=0, max_value=1e9, allow_nan=False, allow_infinity=False))
 def test_format_duration_parses_back_exactly(seconds):
     assert parse_duration(format_duration(seconds)) == seconds
@@ -335,6 +336,7 @@ def test_parse_size_rejects(value, message):
     assert str(info.value) == message
 
 
+@settings(deadline=None)  # a busy machine can take 200 ms over any example
 @given(st.integers(min_value=0, max_value=2**40))
 def test_format_size_parses_back_exactly(size):
     assert parse_size(format_size(size)) == size

@@ -209,12 +209,24 @@ def test_generated_client_reads_not_sent_error():
 def test_upstream_closing_idle_connections_is_noticed():
     """The upstream closes idle connections after 100 ms: no call fails, none runs twice."""
     up = ThriftServer(idle_close=0.1)
+
+    def proxy_connections(p: Proxy) -> int:
+        """Connections the proxy has open to the upstream (read on its loop)."""
+        return p.call(lambda: sum(pool.open for ep in p.server.clusters["up"].endpoints
+                                  for pool in ep.pools.values()))
+
     try:
         with Proxy(config_text([up.address])) as p:
             with client(p.port()) as c:
                 for i in range(5):
                     assert c.incr("once") == i + 1
-                    time.sleep(0.2)
+                    # the next call comes after the upstream closed the idle connection and the
+                    # proxy noticed (polled: a busy machine may run either late; a call sent as
+                    # the close crosses it may have run, which is not what this test is about)
+                    deadline = time.monotonic() + 5
+                    while proxy_connections(p) and time.monotonic() < deadline:
+                        time.sleep(0.02)
+                    assert proxy_connections(p) == 0, "the proxy did not notice the upstream's close"
             assert up.handler.counts["once"] == 5
             assert up.connections >= 5  # each call after idleness needed a new connection
     finally:

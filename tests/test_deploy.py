@@ -39,7 +39,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness import ThriftServer, client, free_port
+from harness import ThriftServer, client, free_port, free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
@@ -587,7 +587,8 @@ def local_config(upstream: ThriftServer) -> tuple[str, Ports]:
     `dns` endpoints → the local test upstream as a static endpoint, and the OTLP endpoint → a
     closed local port (nothing leaves this machine). Everything else is the ConfigMap's."""
     data = yaml.safe_load(configmap_text())
-    ports = Ports(free_port(), free_port(), free_port())
+    *listen_ports, otlp = free_ports(4)  # distinct (free_port() calls in a row may repeat one)
+    ports = Ports(*listen_ports)
     (listener,) = data["listeners"]
     assert listener["listen"] == "127.0.0.1:9090"
     listener["listen"] = f"127.0.0.1:{ports.listener}"
@@ -596,7 +597,7 @@ def local_config(upstream: ThriftServer) -> tuple[str, Ports]:
     (cluster,) = data["clusters"]
     assert set(cluster["endpoints"]) == {"dns"}
     cluster["endpoints"] = [upstream.address]
-    data["tracing"]["endpoint"] = f"http://127.0.0.1:{free_port()}"
+    data["tracing"]["endpoint"] = f"http://127.0.0.1:{otlp}"
     text = yaml.safe_dump(data, sort_keys=False)
     from proxy import config as cfgmod
 

@@ -115,13 +115,16 @@ def test_dns_loop_refreshes_every_interval_and_stops_on_close():
         src = DnsSource(cluster, "h", 1, refresh=0.02, resolver=res)
         await src.start()
         res.answer = ["10.0.0.9"]
-        await asyncio.sleep(0.15)
+        # 3+ rounds after start()'s own; polled, as a busy machine may run the loop late
+        deadline = asyncio.get_running_loop().time() + 5
+        while res.calls < 4 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
         assert keys(cluster) == [("10.0.0.9", 1, 1)] and res.calls >= 4
         src.close()
         await asyncio.sleep(0.05)
         calls = res.calls
-        await asyncio.sleep(0.1)
-        assert res.calls == calls
+        await asyncio.sleep(0.2)  # 10 intervals: a loop still running would have asked again
+        assert res.calls == calls and src.task is None
     asyncio.run(main())
 
 

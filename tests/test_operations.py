@@ -14,7 +14,16 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 from thrift.Thrift import TApplicationException
 
-from harness import ProxyProcess, ThriftServer, client, free_port
+from harness import ProxyProcess, ThriftServer, client, free_port, free_ports
+
+
+def _wait_for(cond, timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll `cond` until it holds; fail after `timeout` seconds (a generous bound for a busy machine)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(0.02)
 
 
 def _config(port: int, upstream: str, admin_port: int | None = None, extra: str = "") -> str:
@@ -66,19 +75,28 @@ def test_reload_under_load_switches_upstreams_without_failing_a_call():
             for t in threads:
                 t.start()
             seen = {"A": [], "B": []}
+
+            def switched(new: ThriftServer, old: ThriftServer, name: str) -> bool:
+                """Over 0.1 s, `new` took calls and `old` none: the reload is in force."""
+                n_new, n_old = new.handler.calls, old.handler.calls
+                time.sleep(0.1)
+                if new.handler.calls > n_new and old.handler.calls == n_old:
+                    seen[name].append(new.handler.calls - n_new)
+                    return True
+                return False
+
             for i in range(20):
-                target = (a, "A") if i % 2 else (b, "B")
+                target, other = ((a, "A"), b) if i % 2 else ((b, "B"), a)
                 text = text_a if target[1] == "A" else text_b
                 if i == 10:
                     p.path.write_text(bad)
                     p.proc.send_signal(signal.SIGHUP)
-                    time.sleep(0.2)
+                    # the proxy read the bad file (before the good one replaces it) and kept serving
+                    _wait_for(lambda: "reload rejected" in p.output(), what="the bad file to be rejected")
                 p.path.write_text(text)
                 p.proc.send_signal(signal.SIGHUP)
-                time.sleep(0.25)
-                n0 = target[0].handler.calls
-                time.sleep(0.15)
-                seen[target[1]].append(target[0].handler.calls - n0)
+                _wait_for(lambda: switched(target[0], other, target[1]),
+                          what=f"reload {i}: calls to {target[1]} only; seen so far {seen}")
             stop.set()
             for t in threads:
                 t.join(10)
@@ -89,14 +107,14 @@ def test_reload_under_load_switches_upstreams_without_failing_a_call():
         b.stop()
     assert failures == [], failures[:3]
     assert calls[0] > 200
-    assert all(n > 0 for n in seen["A"]) and all(n > 0 for n in seen["B"]), seen
+    assert len(seen["A"]) == len(seen["B"]) == 10 and all(n > 0 for n in seen["A"] + seen["B"]), seen
     assert "reload rejected" in out and "sidecar.yaml:" in out and "clusters[0].endpoints" in out
 
 
 def test_drain_finishes_started_calls_serves_new_ones_ready_503_exit_0():
     up = ThriftServer()
-    up.handler.sleep_ms = 500
-    port, admin = free_port(), free_port()
+    up.handler.sleep_ms = 1000
+    port, admin = free_ports(2)
     results, errors = [], []
     try:
         with ProxyProcess(_config(port, up.address, admin), [port, admin]) as p:
@@ -112,11 +130,11 @@ def test_drain_finishes_started_calls_serves_new_ones_ready_503_exit_0():
             threads = [threading.Thread(target=slow_call) for _ in range(4)]
             for t in threads:
                 t.start()
-            time.sleep(0.15)  # the calls are in flight
+            _wait_for(lambda: up.handler.calls == 4, what="the 4 slow calls to reach the upstream")
             t0 = time.monotonic()
             p.proc.send_signal(signal.SIGTERM)
-            time.sleep(0.1)
-            assert _get(f"http://127.0.0.1:{admin}/ready")[0] == 503
+            # /ready turns 503 once the signal is handled (polled: the process may be slow to run)
+            _wait_for(lambda: _get(f"http://127.0.0.1:{admin}/ready")[0] == 503, timeout=5, what="/ready 503")
             with client(port) as c:  # a new call during the grace period is served
                 results.append(c.lookup("new"))
             for t in threads:
@@ -134,9 +152,12 @@ def test_admin_endpoints_over_real_http():
     up = ThriftServer()
     dead = ThriftServer()
     dead.stop()
-    port, admin, health = free_port(), free_port(), free_port()
+    port, admin, health = free_ports(3)
     text = _config(port, f"{up.address}, {dead.address}", extra="")
-    text = text.replace("    endpoints:", "    circuit_breaker: {consecutive_failures: 1, open_for: 30s}\n    endpoints:")
+    # round_robin: the dead endpoint is certainly picked within 10 calls (least_request, the
+    # default, breaks the tie between two idle endpoints at random)
+    text = text.replace("    endpoints:", "    circuit_breaker: {consecutive_failures: 1, open_for: 30s}\n"
+                                         "    load_balancer: round_robin\n    endpoints:")
     text = f"admin: {{listen: 127.0.0.1:{admin}, health_listen: 127.0.0.1:{health}}}\n" + text
     try:
         with ProxyProcess(text, [port, admin, health]) as p:
@@ -156,20 +177,30 @@ def test_admin_endpoints_over_real_http():
             status, body = _get(base + "/config")
             cfg = json.loads(body)
             assert cfg["listeners"][0]["max_frame_size"] and cfg["clusters"][0]["pool"]["max_connections"] == 64
-            status, body = _get(base + "/metrics")
-            fams = {f.name: f for f in text_string_to_metric_families(body)}
-            calls = fams["thrift_sidecar_calls"]
-            total = sum(s.value for s in calls.samples if s.name == "thrift_sidecar_calls_total"
-                        and s.labels.get("method") == "lookup")
-            assert total == 10
+
+            def lookups_in_metrics() -> float:
+                status, body = _get(base + "/metrics")
+                fams = {f.name: f for f in text_string_to_metric_families(body)}
+                calls = fams["thrift_sidecar_calls"]
+                return sum(s.value for s in calls.samples if s.name == "thrift_sidecar_calls_total"
+                           and s.labels.get("method") == "lookup")
+
+            # a call is recorded once the client has its reply, which may be just after the client
+            # returned: wait for the 10th, then check there are exactly 10
+            _wait_for(lambda: lookups_in_metrics() >= 10, timeout=5, what="10 lookups in /metrics")
+            assert lookups_in_metrics() == 10
             # the health listener serves only /ready and /live
             assert _get(f"http://127.0.0.1:{health}/ready")[0] == 200
             assert _get(f"http://127.0.0.1:{health}/live")[0] == 200
             assert _get(f"http://127.0.0.1:{health}/stats")[0] == 404
             # access log: one structured line per call with hop timings
-            time.sleep(0.2)
-            lines = [json.loads(line) for line in p.output().splitlines() if line.startswith("{")]
-            access = [line for line in lines if line.get("logger") == "proxy.access"]
+
+            def access_lines() -> list[dict]:
+                lines = [json.loads(line) for line in p.output().splitlines() if line.startswith("{")]
+                return [line for line in lines if line.get("logger") == "proxy.access"]
+
+            _wait_for(lambda: len(access_lines()) >= 10, timeout=5, what="10 access-log lines")
+            access = access_lines()
             assert len(access) == 10
             assert {"read_request_ms", "service_time_ms", "write_response_ms", "endpoint"} <= access[0].keys()
     finally:

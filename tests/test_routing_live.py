@@ -80,6 +80,27 @@ def wait_for(cond, timeout: float = 10.0, what: str = "condition") -> None:
         time.sleep(0.02)
 
 
+def cluster_hosts(p: Proxy, cluster: str = "c") -> list[tuple[str, int, int]]:
+    """(host, port, weight) of the cluster's endpoints, read on the proxy's loop."""
+    return p.call(lambda: sorted((ep.host, ep.port, ep.weight) for ep in p.server.clusters[cluster].endpoints))
+
+
+def endpoint(p: Proxy, host: str, port: int, cluster: str = "c"):
+    return p.call(lambda: next(ep for ep in p.server.clusters[cluster].endpoints
+                               if (ep.host, ep.port) == (host, port)))
+
+
+def wait_removed(p: Proxy, gone, server: ThriftServer, hosts: list[tuple[str, int, int]]) -> None:
+    """Until the proxy serves `hosts` and is done with `gone`: its pools closed with no connection
+    open (every call sent there answered), and the server saw its connections close (so its call
+    count is final)."""
+    wait_for(lambda: cluster_hosts(p) == hosts, what=f"the cluster to become {hosts}")
+    wait_for(lambda: p.call(lambda: gone.removed and all(pool.closed and pool.open == 0
+                                                         for pool in gone.pools.values())),
+             what="the proxy to close the removed endpoint's connections")
+    wait_for(lambda: open_connections(server) == 0, what="the removed endpoint's connections to close")
+
+
 class Load:
     """`threads` client connections calling lookup() in a loop until stopped; counts every failure."""
 
@@ -151,7 +172,10 @@ def test_weighted_clusters_90_10_over_5000_calls():
 def test_endpoint_weights_90_10_over_5000_calls(lb):
     ups = [ThriftServer(name=f"u{i}") for i in range(3)]
     for u in ups:
-        u.handler.sleep_ms = 2   # calls stay in flight, so the proxy really sees ~8 at once
+        # calls stay in flight, so the proxy really sees ~8 at once: the 5 ms upstream time dwarfs
+        # the client's own time per call even on a slow machine (at 2 ms it did not always, and
+        # with fewer in flight least_request rightly gives the light endpoint more than its 10%)
+        u.handler.sleep_ms = 5
     try:
         eps = (f"[{{address: {ups[0].address}, weight: 45}}, {{address: {ups[1].address}, weight: 45}}, "
                f"{{address: {ups[2].address}, weight: 10}}]")
@@ -230,18 +254,19 @@ def test_dns_discovery_adds_and_removes_under_load():
             wait_for(lambda: first.handler.calls > 50 and second.handler.calls > 50, what="calls to a and b")
             answer.append("127.0.0.3")                                   # scale up
             wait_for(lambda: third.handler.calls > 50, what="calls to the new endpoint")
+            gone = endpoint(p, "127.0.0.1", port)
             answer.remove("127.0.0.1")                                   # scale down
-            time.sleep(0.5)                                              # a refresh, and calls in flight end
-            gone_calls = first.handler.calls
+            wait_removed(p, gone, first, [("127.0.0.2", port, 1), ("127.0.0.3", port, 1)])
+            gone_calls, gone_connections = first.handler.calls, first.connections
             ok = load.ok
             wait_for(lambda: load.ok > ok + 300, what="calls after the removal")
-            wait_for(lambda: first.open_connections() == 0, what="the removed endpoint's connections to close")
             load.stop()
             eps = sorted(ep.host for ep in p.server.clusters["c"].endpoints)
         assert asked and set(asked) == {"users.test"}
         assert eps == ["127.0.0.2", "127.0.0.3"]
         assert load.failures == [] and load.ok > 600
         assert first.handler.calls == gone_calls                         # nothing after the removal
+        assert first.connections == gone_connections and first.open_connections() == 0
     finally:
         for s in (first, second, third):
             s.stop()
@@ -273,18 +298,19 @@ def test_file_discovery_symlink_swap_adds_and_removes_under_load(tmp_path):
             configmap_write(tmp_path, "2026_01_02",
                             f"- {ups[0].address}\n- {ups[1].address}\n- {{address: {ups[2].address}, weight: 2}}\n")
             wait_for(lambda: ups[2].handler.calls > 50, what="calls to the added endpoint")
+            gone = endpoint(p, "127.0.0.1", ups[0].port)
             configmap_write(tmp_path, "2026_01_03",
                             f"- {ups[1].address}\n- {{address: {ups[2].address}, weight: 2}}\n")
-            time.sleep(1.0)                                              # two polls, and calls in flight end
-            gone_calls = ups[0].handler.calls
+            wait_removed(p, gone, ups[0], sorted([("127.0.0.1", ups[1].port, 1), ("127.0.0.1", ups[2].port, 2)]))
+            gone_calls, gone_connections = ups[0].handler.calls, ups[0].connections
             ok = load.ok
             wait_for(lambda: load.ok > ok + 300, what="calls after the removal")
-            wait_for(lambda: open_connections(ups[0]) == 0, what="u0's connections to close")
             load.stop()
             eps = sorted((ep.port, ep.weight) for ep in p.server.clusters["c"].endpoints)
         assert eps == sorted([(ups[1].port, 1), (ups[2].port, 2)])
         assert load.failures == [] and load.ok > 600
-        assert ups[0].handler.calls == gone_calls
+        assert ups[0].handler.calls == gone_calls                        # nothing after the removal
+        assert ups[0].connections == gone_connections and open_connections(ups[0]) == 0
     finally:
         for u in ups:
             u.stop()
