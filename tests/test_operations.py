@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import threading
 import time
@@ -12,7 +11,6 @@ import urllib.error
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
-from thrift.Thrift import TApplicationException
 
 from harness import ProxyProcess, ThriftServer, client, free_port, free_ports
 
