@@ -12,7 +12,7 @@ import pytest
 
 from harness import (Proxy, ProxyProcess, RawUpstream, ThriftServer, client, config_text, free_port, proc_status,
                      read_messages, request_bytes)
-from proxy.codec import MessageType
+from proxy.codec import Decoder, Framing, MessageType, Protocol
 from proxy.codec.heads import write_varint
 
 
@@ -40,6 +40,50 @@ def test_large_replies_stream_and_arrive_intact():
     streamed = {call.reply_size: call.streamed for call in done if call.msg.name == "echo"}
     assert streamed[50_028] is False
     assert streamed[1_500_028] is True and streamed[10_000_028] is True
+
+
+def test_slowly_read_stream_arrives_byte_exact_through_the_reply_pump():
+    """An 8 MB random reply, read slowly through a small receive buffer. The proxy's transport to
+    this client is given a high write-buffer limit, so it queues slices of the pump's buffer
+    (`_ReplyPump`, recv_into) instead of pausing the stream: a buffer refilled while a slice of
+    it is still queued would show up here as corrupted bytes."""
+    up = ThriftServer()
+    try:
+        with Proxy(_big_config(up.address)) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            big = os.urandom(8_000_000)
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+            s.connect(("127.0.0.1", p.port()))
+            with s:
+                state = p.server.listeners["test"]
+                deadline = time.monotonic() + 5
+                while not state.connections and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                (conn,) = state.connections
+                p.loop.call_soon_threadsafe(conn.transport.set_write_buffer_limits, 32 << 20)
+                s.sendall(request_bytes("framed", "binary", "echo", big, seqid=7))
+                parts, got = [], 0
+                total = None
+                while total is None or got < total:
+                    chunk = s.recv(128 * 1024)  # ~10 MB/s: the proxy's socket send buffer fills up,
+                    assert chunk, f"closed after {got} bytes"  # and its transport queues slices
+                    parts.append(chunk)
+                    got += len(chunk)
+                    if total is None and got >= 4:
+                        total = 4 + struct.unpack("!i", b"".join(parts)[:4])[0]
+                    time.sleep(0.01)
+            reply = b"".join(parts)
+            dec = Decoder(Framing.FRAMED, Protocol.BINARY, 300 << 20)
+            dec.feed(reply)
+            msg = dec.next_message()
+            assert msg.type == MessageType.REPLY and msg.seqid == 7 and dec.buffered == 0
+            assert reply.endswith(big + b"\x00"), "the streamed bytes differ from what the upstream sent"
+            time.sleep(0.1)
+    finally:
+        up.stop()
+    assert [c.streamed for c in done if c.msg.name == "echo"] == [True]
 
 
 def test_reply_behind_a_pending_call_is_buffered_in_order():
