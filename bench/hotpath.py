@@ -10,6 +10,10 @@ the call recorded (metrics, sampling). Not a test: nothing here decides pass or 
     .venv/bin/python bench/hotpath.py                 # ping, tracing off
     .venv/bin/python bench/hotpath.py --calls 200000 --profile   # + cProfile, top 25
 
+It also splits each leg at its write (medians): the work before the request is written
+upstream and before the reply is written to the client is what a lone client waits for (ping1's
+added latency); the work after each write overlaps the upstream's and the client's own time.
+
 A connected loopback TCP socket stands in for the client's, so the write_response ioctl
 (SIOCOUTQNSD) is the real one.
 """
@@ -24,8 +28,10 @@ import pstats
 import socket
 import struct
 import sys
+import statistics
 import time
 from pathlib import Path
+from time import perf_counter_ns
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -60,8 +66,10 @@ class CountingTransport(asyncio.Transport):
         self.sock = sock
         self.written = 0
         self.writes = 0
+        self.t_write = 0  # perf_counter_ns() of the last write
 
     def write(self, data) -> None:
+        self.t_write = perf_counter_ns()
         self.writes += 1
         self.written += len(data)
 
@@ -140,12 +148,36 @@ def main() -> int:
             up_in(replies[j])
         return time.perf_counter() - t0
 
+    def split(n: int) -> list[float]:
+        """Median ns per call: request leg before/after its upstream write, reply leg before/after
+        its client write."""
+        client_in = conn.data_received
+        up_in = up.data_received
+        up_t, client_t = up.transport, conn.transport
+        parts = ([], [], [], [])
+        for i in range(n):
+            j = i & 255
+            t0 = perf_counter_ns()
+            client_in(requests[j])
+            t1 = perf_counter_ns()
+            up_in(replies[j])
+            t2 = perf_counter_ns()
+            parts[0].append(up_t.t_write - t0)
+            parts[1].append(t1 - up_t.t_write)
+            parts[2].append(client_t.t_write - t1)
+            parts[3].append(t2 - client_t.t_write)
+        return [statistics.median(p) for p in parts]
+
     run(2000)  # warm: specialisation, the method's metric labels
     gc.collect()
     best = min(run(args.calls) for _ in range(3))
+    print(f"hot path: {best / args.calls * 1e6:.2f} µs per call (best of 3 x {args.calls:,} calls)")
+    req_pre, req_post, rep_pre, rep_post = (x / 1000 for x in split(min(args.calls, 50_000)))
+    print(f"  request: {req_pre:.2f} µs until written upstream, {req_post:.2f} after; "
+          f"reply: {rep_pre:.2f} µs until written to the client, {rep_post:.2f} after (medians)")
+    print(f"  before the writes: {req_pre + rep_pre:.2f} µs (what a lone client waits for)")
     served = state.pipeline.stats["calls"]
-    print(f"hot path: {best / args.calls * 1e6:.2f} µs per call (best of 3 x {args.calls:,} calls; "
-          f"{served:,} served, {conn.transport.writes:,} replies written)")
+    print(f"  {served:,} calls served, {conn.transport.writes:,} replies written")
     if conn.transport.writes != served:
         print("error: not every call was answered", file=sys.stderr)
         return 1
