@@ -323,15 +323,11 @@ class ClientConnection(asyncio.Protocol):
             paused += monotonic_ns() - self._paused_at
         return paused
 
-    def stream_write(self, call: Call, data) -> bool:
-        """Write a streamed reply's next bytes; True when the transport queued some (it may
-        still hold `data`, which uvloop queues without copying)."""
-        t = self.transport
-        if call is not self.stream_call or t is None:
-            return False
-        t.write(data)
+    def stream_write(self, call: Call, data) -> None:
+        if call is not self.stream_call or self.transport is None:
+            return
+        self.transport.write(data)
         self.bytes_out += len(data)
-        return t.get_write_buffer_size() > 0
 
     def stream_end(self, call: Call) -> None:
         if call is not self.stream_call:

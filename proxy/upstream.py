@@ -16,12 +16,6 @@ once `stream_threshold` bytes of it are here without its end (the decoder has re
 whole so far), and from then on `UnframedStream` finds its end in each read, keeping
 only a cut field header between reads. Bytes past a streamed reply's end discard the
 connection, as for any reply.
-
-The rest of a large framed stream (`PUMP_MIN` or more still to come, plaintext) is read by
-`_ReplyPump`, a `BufferedProtocol` swapped onto the transport for that stretch: the kernel
-copies straight into its buffer (`recv_into`) and slices of it go to the client, where plain
-reads copy every read once more into a new bytes object. It never reads past the reply's end
-and hands the transport back for whatever follows.
 """
 
 from __future__ import annotations
@@ -41,8 +35,6 @@ from proxy.sockets import set_nodelay
 
 _I32 = struct.Struct("!i")
 PROBE_MAX = 64 * 1024  # bytes gathered to read a large reply's head before deciding to stream it
-PUMP_MIN = 256 * 1024  # a framed stream with this much still to come is read by a _ReplyPump
-PUMP_BUFFER = 1024 * 1024  # its buffer (at most): up to 4 of uvloop's 256 KiB plain reads per read
 
 
 class StreamHead:
@@ -114,9 +106,7 @@ class Exchange:
         """A large reply begins: True to stream it to the client as it arrives."""
         return False
 
-    def stream_data(self, data) -> bool:  # pragma: no cover - interface
-        """Pass on the next bytes of a streaming reply. True when the receiver may still hold
-        `data` after returning (queued, not yet written): a reused buffer must not be refilled."""
+    def stream_data(self, data) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
     def stream_end(self) -> None:  # pragma: no cover - interface
@@ -263,26 +253,11 @@ class UpstreamConnection(asyncio.Protocol):
         left = self._stream_left
         n = len(data)
         if n < left:
-            self._stream_left = left = left - n
+            self._stream_left = left - n
             ex.stream_data(data)
-            if left >= PUMP_MIN and self.exchange_ is ex and not self.closed:
-                self._start_pump(ex)
             return
         self._stream_left = 0
         self._stream_last(ex, data, left)
-
-    def _start_pump(self, ex: Exchange) -> None:
-        """Read the rest of this framed stream into a buffer (`_ReplyPump`); not over TLS, whose
-        transport decrypts into its own buffers anyway."""
-        t = self.transport
-        if t is None or t.get_extra_info("sslcontext") is not None:
-            return
-        t.set_protocol(_ReplyPump(self, ex, min(self._stream_left, PUMP_BUFFER)))
-
-    def _pump_done(self) -> None:
-        """The pump read the stream's last byte: plain reads again, for whatever follows."""
-        if self.transport is not None and not self.closed:
-            self.transport.set_protocol(self)
 
     def _begin_unframed_stream(self, ex: Exchange) -> None:
         """An unframed reply is still incomplete after `stream_threshold` bytes: stream the rest?
@@ -416,56 +391,3 @@ class UpstreamConnection(asyncio.Protocol):
             self.pool.forget(self)
             if self.transport is not None:
                 self.transport.abort()
-
-
-class _ReplyPump(asyncio.BufferedProtocol):
-    """The rest of a large framed reply, read into one buffer (`recv_into`) and passed on as
-    slices of it: no bytes object per read. Lives on the upstream transport from the read that
-    leaves `PUMP_MIN` or more to come until the reply's last byte, then gives the transport
-    back to its `UpstreamConnection` (`_pump_done`), which it reports to throughout.
-
-    A slice the client's transport could not write at once stays referenced there (uvloop
-    queues it as is), so the next read goes into a fresh buffer; a client that keeps up lets
-    one buffer serve the whole reply. `get_buffer` offers at most the bytes still due, so no
-    byte past the reply is ever read here.
-    """
-
-    __slots__ = ("up", "ex", "size", "view")
-
-    def __init__(self, up: UpstreamConnection, ex: Exchange, size: int) -> None:
-        self.up = up
-        self.ex = ex
-        self.size = size
-        self.view = memoryview(bytearray(size))
-
-    def get_buffer(self, sizehint: int):
-        left = self.up._stream_left
-        view = self.view
-        return view[:left] if left < len(view) else view
-
-    def buffer_updated(self, nbytes: int) -> None:
-        up, ex = self.up, self.ex
-        if up.exchange_ is not ex:
-            return  # abandoned (timeout, client gone): the connection is being discarded
-        chunk = self.view[:nbytes]
-        left = up._stream_left - nbytes
-        if left > 0:
-            up._stream_left = left
-            if ex.stream_data(chunk):
-                self.view = memoryview(bytearray(min(left, self.size)))
-            return
-        up._stream_left = 0
-        up._pump_done()
-        up._stream_last(ex, chunk, nbytes)
-
-    def eof_received(self) -> bool:
-        return self.up.eof_received()
-
-    def connection_lost(self, exc) -> None:
-        self.up.connection_lost(exc)
-
-    def pause_writing(self) -> None:
-        self.up.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.up.resume_writing()

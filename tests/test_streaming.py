@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import socket
 import struct
@@ -42,11 +43,11 @@ def test_large_replies_stream_and_arrive_intact():
     assert streamed[1_500_028] is True and streamed[10_000_028] is True
 
 
-def test_slowly_read_stream_arrives_byte_exact_through_the_reply_pump():
+def test_slowly_read_stream_arrives_byte_exact():
     """An 8 MB random reply, read slowly through a small receive buffer. The proxy's transport to
-    this client is given a high write-buffer limit, so it queues slices of the pump's buffer
-    (`_ReplyPump`, recv_into) instead of pausing the stream: a buffer refilled while a slice of
-    it is still queued would show up here as corrupted bytes."""
+    this client is given a high write-buffer limit, so it queues what it cannot write instead of
+    pausing the stream: a read buffer reused while a queued write still refers to it (uvloop
+    queues memoryviews without copying) would show up here as corrupted bytes."""
     up = ThriftServer()
     try:
         with Proxy(_big_config(up.address)) as p:
@@ -84,6 +85,82 @@ def test_slowly_read_stream_arrives_byte_exact_through_the_reply_pump():
     finally:
         up.stop()
     assert [c.streamed for c in done if c.msg.name == "echo"] == [True]
+
+
+def _framed_reply(name: bytes, seqid: int, payload: bytes) -> bytes:
+    head = struct.pack("!Ii", 0x80010002, len(name)) + name + struct.pack("!i", seqid)
+    body = head + b"\x0b" + struct.pack("!h", 0) + struct.pack("!i", len(payload)) + payload + b"\x00"
+    return struct.pack("!i", len(body)) + body
+
+
+class StaleAfterStreamUpstream(RawUpstream):
+    """The first call gets a 4 MB reply whose tail comes late, and in the same write as that tail
+    a well-formed reply for seqid 2 that nobody asked for; every other call gets b"REAL"."""
+
+    def __init__(self) -> None:
+        self.first = True
+        super().__init__()
+
+    def _one(self, c: socket.socket) -> None:
+        with c:
+            for name, seqid in self.requests(c):
+                if self.first:
+                    self.first = False
+                    big = _framed_reply(name, seqid, b"\xab" * 4_000_000)
+                    c.sendall(big[:1_000_000])
+                    time.sleep(0.5)  # meanwhile the second client waits for the pool's only connection
+                    c.sendall(big[1_000_000:] + _framed_reply(b"echo", 2, b"STALE"))
+                else:
+                    c.sendall(_framed_reply(name, seqid, b"REAL"))
+
+
+def test_framed_bytes_past_a_streamed_reply_discard_that_connection():
+    """Bytes past a streamed reply's end must never be read as the next exchange's reply, even
+    when they arrive with its last bytes while another call waits for that connection."""
+    up = StaleAfterStreamUpstream()
+    text = _big_config(up.address, extra_cluster="\n    pool: {max_connections: 1}")
+    try:
+        with Proxy(text) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as a, \
+                    socket.create_connection(("127.0.0.1", p.port())) as b:
+                a.sendall(request_bytes("framed", "binary", "echo", b"", seqid=1))
+                a.settimeout(5)
+                got = len(a.recv(65536))  # the 4 MB reply is streaming
+                b.sendall(request_bytes("framed", "binary", "echo", b"", seqid=2))  # waits for the pool
+                while got < 4 + 4_000_000 + 16:
+                    chunk = a.recv(1 << 20)
+                    assert chunk, f"closed after {got} bytes"
+                    got += len(chunk)
+                (rb,) = read_messages(b, 1, "framed", "binary")
+                assert b"REAL" in rb.data and b"STALE" not in rb.data, rb.data
+        assert up.connections == 2  # the connection that sent bytes past its reply was closed
+    finally:
+        up.close()
+
+
+def test_a_pooled_connection_keeps_nothing_of_its_streamed_reply():
+    """After a large streamed reply its connection idles in the pool without keeping the call
+    (and so its 6 MB request) alive."""
+    up = ThriftServer()
+    try:
+        with Proxy(_big_config(up.address)) as p:
+            with client(p.port()) as c:
+                big = os.urandom(6_000_000)
+                assert c.echo(big) == big
+            time.sleep(0.3)
+
+            def alive() -> tuple[int, int]:
+                from proxy.calls import Call
+                gc.collect()
+                calls = [o for o in gc.get_objects()
+                         if type(o) is Call and o.msg is not None and o.msg.name == "echo"]
+                (ep,) = p.server.clusters["up"].endpoints
+                return sum(len(pool.idle) for pool in ep.pools.values()), len(calls)
+
+            idle, calls = p.call(alive)
+            assert idle == 1 and calls == 0, (idle, calls)
+    finally:
+        up.stop()
 
 
 def test_reply_behind_a_pending_call_is_buffered_in_order():

@@ -131,7 +131,7 @@ def test_calls_over_mutual_tls(pki):
         with Proxy(config_text([up.address], extra_cluster=yaml)) as p, client(p.port()) as c:
             assert c.lookup("x") == "mtls-up:x"
             assert c.echo(b"\x00" * 100_000) == b"\x00" * 100_000
-            big = random.Random(5).randbytes(3_000_000)  # streams (over TLS: plain reads, no pump)
+            big = random.Random(5).randbytes(3_000_000)  # streams, over TLS
             assert c.echo(big) == big
         assert up.peer_certs and dict(x[0] for x in up.peer_certs[0]["subject"])["commonName"] == "client"
     finally:
