@@ -41,7 +41,7 @@ class CallRecorder:
         call.reply = None  # sizes are recorded; the bytes are not needed any more
         self.metrics.record(call, ended)
         if self.telemetry is not None:
-            self.telemetry.finished(call, self.service, self.listener)
+            self.telemetry.finished(call, self.service, self.listener, ended)
         if self.access and access_log.isEnabledFor(logging.INFO):
             self._log(call, end)
 

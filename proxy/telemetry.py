@@ -144,38 +144,41 @@ class Telemetry:
             attempt.span_id = new_id(self.rng)
         return inject(ctx, attempt.span_id)
 
-    def should_export(self, call) -> str | None:
-        """Why this finished call becomes spans (`head`, `failed`, `slow`), or None. Cheap."""
+    def should_export(self, call, end: int = 0) -> str | None:
+        """Why this finished call becomes spans (`head`, `failed`, `slow`), or None. Cheap: it
+        runs for every call. `end`: `call_end(call)`, if the caller has it already."""
         ctx = call.trace
         if ctx is not None:
             if ctx.sampled:
                 return HEAD
-        elif self.ratio > 0.0 and (self.ratio >= 1.0 or self.rng.random() < self.ratio):
-            return HEAD
-        return self._kept_unsampled(call)
+        else:
+            ratio = self.ratio
+            if ratio > 0.0 and (ratio >= 1.0 or self.rng.random() < ratio):
+                return HEAD
+        return self._kept_unsampled(call, end)
 
     @staticmethod
-    def _kept_unsampled(call) -> str | None:
-        """Failed or slow, for a call the head decision did not keep."""
-        if is_failure(call):
+    def _kept_unsampled(call, end: int = 0) -> str | None:
+        """Failed, or slower than its route's slow_call, for a call the head decision did not keep."""
+        if call.error is not None or (call.outcome is not SUCCESS and is_failure(call)):
             return FAILED
         route = call.route
         settings = route.settings if route is not None else None
         slow = settings.slow_call if settings is not None else DEFAULT_SLOW_CALL
-        if call_end(call) - call.t_start > slow * 1e9:
+        if (end or call_end(call)) - call.t_start > slow * 1e9:
             return SLOW
         return None
 
-    def finished(self, call, service: str, listener: str | None = None) -> str | None:
+    def finished(self, call, service: str, listener: str | None = None, end: int = 0) -> str | None:
         """The call is over (nothing will change it again): queue it for export if it is kept.
 
         Returns the reason it was kept (or None). The loop pays the decision and one append; the
-        spans are built in the export thread from the call's fields.
+        spans are built in the export thread from the call's fields. `end`: as for should_export.
         """
         queue = self.queue
         if queue is None:
             return None
-        reason = self.should_export(call)
+        reason = self.should_export(call, end)
         if reason is not None:
             # what the queued call keeps alive until the export thread is done with it
             msg, reply = call.msg, call.reply
