@@ -80,6 +80,16 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def wait_for(cond, timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll `cond` every 20 ms until it holds; fail after `timeout` seconds (generous: these
+    machines are busy, and a condition that never holds still fails)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(0.02)
+
+
 def make_users(count: int) -> list:
     return [User(id=i, username=f"user{i}", email=f"user{i}@example.com", first_name=f"First{i}",
                  last_name=f"Last{i}", is_staff=i % 7 == 0, date_joined=1_600_000_000 + i,

@@ -12,16 +12,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from harness import ProxyProcess, ThriftServer, client, free_port, free_ports
-
-
-def _wait_for(cond, timeout: float = 10.0, what: str = "condition") -> None:
-    """Poll `cond` until it holds; fail after `timeout` seconds (a generous bound for a busy machine)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.02)
+from harness import ProxyProcess, ThriftServer, client, free_port, free_ports, wait_for
 
 
 def _config(port: int, upstream: str, admin_port: int | None = None, extra: str = "") -> str:
@@ -90,11 +81,11 @@ def test_reload_under_load_switches_upstreams_without_failing_a_call():
                     p.path.write_text(bad)
                     p.proc.send_signal(signal.SIGHUP)
                     # the proxy read the bad file (before the good one replaces it) and kept serving
-                    _wait_for(lambda: "reload rejected" in p.output(), what="the bad file to be rejected")
+                    wait_for(lambda: "reload rejected" in p.output(), what="the bad file to be rejected")
                 p.path.write_text(text)
                 p.proc.send_signal(signal.SIGHUP)
-                _wait_for(lambda: switched(target[0], other, target[1]),
-                          what=f"reload {i}: calls to {target[1]} only; seen so far {seen}")
+                wait_for(lambda: switched(target[0], other, target[1]),
+                         what=f"reload {i}: calls to {target[1]} only; seen so far {seen}")
             stop.set()
             for t in threads:
                 t.join(10)
@@ -128,11 +119,11 @@ def test_drain_finishes_started_calls_serves_new_ones_ready_503_exit_0():
             threads = [threading.Thread(target=slow_call) for _ in range(4)]
             for t in threads:
                 t.start()
-            _wait_for(lambda: up.handler.calls == 4, what="the 4 slow calls to reach the upstream")
+            wait_for(lambda: up.handler.calls == 4, what="the 4 slow calls to reach the upstream")
             t0 = time.monotonic()
             p.proc.send_signal(signal.SIGTERM)
             # /ready turns 503 once the signal is handled (polled: the process may be slow to run)
-            _wait_for(lambda: _get(f"http://127.0.0.1:{admin}/ready")[0] == 503, timeout=5, what="/ready 503")
+            wait_for(lambda: _get(f"http://127.0.0.1:{admin}/ready")[0] == 503, timeout=5, what="/ready 503")
             with client(port) as c:  # a new call during the grace period is served
                 results.append(c.lookup("new"))
             for t in threads:
@@ -185,7 +176,7 @@ def test_admin_endpoints_over_real_http():
 
             # a call is recorded once the client has its reply, which may be just after the client
             # returned: wait for the 10th, then check there are exactly 10
-            _wait_for(lambda: lookups_in_metrics() >= 10, timeout=5, what="10 lookups in /metrics")
+            wait_for(lambda: lookups_in_metrics() >= 10, timeout=5, what="10 lookups in /metrics")
             assert lookups_in_metrics() == 10
             # the health listener serves only /ready and /live
             assert _get(f"http://127.0.0.1:{health}/ready")[0] == 200
@@ -197,7 +188,7 @@ def test_admin_endpoints_over_real_http():
                 lines = [json.loads(line) for line in p.output().splitlines() if line.startswith("{")]
                 return [line for line in lines if line.get("logger") == "proxy.access"]
 
-            _wait_for(lambda: len(access_lines()) >= 10, timeout=5, what="10 access-log lines")
+            wait_for(lambda: len(access_lines()) >= 10, timeout=5, what="10 access-log lines")
             access = access_lines()
             assert len(access) == 10
             assert {"read_request_ms", "service_time_ms", "write_response_ms", "endpoint"} <= access[0].keys()

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from thrift.Thrift import TApplicationException
 
-from harness import Proxy, ThriftServer, client
+from harness import Proxy, ThriftServer, client, wait_for
 
 
 def cfg(upstreams, route_extra="", cluster_extra="", lb="round_robin", listener_extra="") -> str:
@@ -198,15 +198,6 @@ def test_max_pending_excess_fails_fast_with_not_sent():
         up.stop()
 
 
-def _until(cond, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def test_health_check_takes_endpoint_out_and_back():
     sick = ThriftServer(name="sick")
     well = ThriftServer(name="well")
@@ -220,12 +211,12 @@ def test_health_check_takes_endpoint_out_and_back():
             ep_sick = next(e for e in cluster.endpoints if e.port == sick.port)
             with client(p.port()) as c:
                 sick.handler.throw = {"ping"}
-                assert _until(lambda: not ep_sick.healthy), "the failing health check never took it out"
+                wait_for(lambda: not ep_sick.healthy, 5, "the failing health check to take it out")
                 replies = [c.lookup(f"h{i}") for i in range(50)]
                 # lookups answer "<server name>:<key>": none went to the endpoint that is out
                 assert [r for r in replies if r.startswith("sick:")] == []
                 sick.handler.throw = set()
-                assert _until(lambda: ep_sick.healthy), "a passing health check never brought it back"
+                wait_for(lambda: ep_sick.healthy, 5, "a passing health check to bring it back")
                 replies = [c.lookup(f"b{i}") for i in range(50)]
                 assert sum(r.startswith("sick:") for r in replies) >= 10
     finally:

@@ -14,12 +14,11 @@ from __future__ import annotations
 import os
 import socket
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from harness import Proxy, ThriftServer, client
+from harness import Proxy, ThriftServer, client, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -70,14 +69,6 @@ listeners:
 {routes}
 clusters:
 {clusters}"""
-
-
-def wait_for(cond, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def cluster_hosts(p: Proxy, cluster: str = "c") -> list[tuple[str, int, int]]:
