@@ -109,7 +109,8 @@ def is_failure(call, outcome: str | None = None) -> bool:
     """The proxy answered with its own error, or the call ended other than success/declared."""
     if call.error is not None:
         return True
-    return (outcome or call_outcome(call)) not in _OK_OUTCOMES
+    # call.outcome first: call_outcome's own first answer, without the call (a plain success)
+    return (outcome or call.outcome or call_outcome(call)) not in _OK_OUTCOMES
 
 
 def call_end(call) -> int:

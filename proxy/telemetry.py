@@ -160,7 +160,7 @@ class Telemetry:
     @staticmethod
     def _kept_unsampled(call, end: int = 0) -> str | None:
         """Failed, or slower than its route's slow_call, for a call the head decision did not keep."""
-        if call.error is not None or (call.outcome is not SUCCESS and is_failure(call)):
+        if is_failure(call):
             return FAILED
         route = call.route
         settings = route.settings if route is not None else None

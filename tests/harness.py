@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -546,6 +547,15 @@ class ProxyProcess:
 
 
 # -- raw wire helpers (seqid-level checks) ----------------------------------------------------
+
+STRICT_REPLY = 0x80010002  # strict binary version | REPLY
+
+
+def reply_bytes(name: bytes, seqid: int, payload: bytes = b"raw") -> bytes:
+    """A framed strict-binary REPLY whose result is field 0 (a string)."""
+    body = (struct.pack("!Ii", STRICT_REPLY, len(name)) + name + struct.pack("!i", seqid)
+            + b"\x0b\x00\x00" + struct.pack("!i", len(payload)) + payload + b"\x00")
+    return struct.pack("!i", len(body)) + body
 
 
 def request_bytes(framing: str, protocol: str, method: str, *args, seqid: int = 1,

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from harness import (Proxy, ProxyProcess, RawUpstream, ThriftServer, client, config_text, free_port, proc_status,
-                     read_messages, request_bytes)
+                     read_messages, reply_bytes, request_bytes)
 from proxy.codec import Decoder, Framing, MessageType, Protocol
 from proxy.codec.heads import write_varint
 
@@ -87,12 +87,6 @@ def test_slowly_read_stream_arrives_byte_exact():
     assert [c.streamed for c in done if c.msg.name == "echo"] == [True]
 
 
-def _framed_reply(name: bytes, seqid: int, payload: bytes) -> bytes:
-    head = struct.pack("!Ii", 0x80010002, len(name)) + name + struct.pack("!i", seqid)
-    body = head + b"\x0b" + struct.pack("!h", 0) + struct.pack("!i", len(payload)) + payload + b"\x00"
-    return struct.pack("!i", len(body)) + body
-
-
 class StaleAfterStreamUpstream(RawUpstream):
     """The first call gets a 4 MB reply whose tail comes late, and in the same write as that tail
     a well-formed reply for seqid 2 that nobody asked for; every other call gets b"REAL"."""
@@ -106,12 +100,12 @@ class StaleAfterStreamUpstream(RawUpstream):
             for name, seqid in self.requests(c):
                 if self.first:
                     self.first = False
-                    big = _framed_reply(name, seqid, b"\xab" * 4_000_000)
+                    big = reply_bytes(name, seqid, b"\xab" * 4_000_000)
                     c.sendall(big[:1_000_000])
                     time.sleep(0.5)  # meanwhile the second client waits for the pool's only connection
-                    c.sendall(big[1_000_000:] + _framed_reply(b"echo", 2, b"STALE"))
+                    c.sendall(big[1_000_000:] + reply_bytes(b"echo", 2, b"STALE"))
                 else:
-                    c.sendall(_framed_reply(name, seqid, b"REAL"))
+                    c.sendall(reply_bytes(name, seqid, b"REAL"))
 
 
 def test_framed_bytes_past_a_streamed_reply_discard_that_connection():

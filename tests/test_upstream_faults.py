@@ -16,18 +16,11 @@ from collections import deque
 import pytest
 from thrift.Thrift import TApplicationException
 
-from harness import Proxy, RawUpstream, app_exception, config_text, read_messages, request_bytes
+from harness import (STRICT_REPLY, Proxy, RawUpstream, app_exception, config_text, read_messages, reply_bytes,
+                     request_bytes)
 from proxy.codec import MessageType
 
 MiB = 1024 * 1024
-STRICT_REPLY = 0x80010002
-
-
-def reply_bytes(name: bytes, seqid: int, payload: bytes = b"raw") -> bytes:
-    """A framed strict-binary REPLY whose result is field 0 (a string)."""
-    body = (struct.pack("!Ii", STRICT_REPLY, len(name)) + name + struct.pack("!i", seqid)
-            + b"\x0b\x00\x00" + struct.pack("!i", len(payload)) + payload + b"\x00")
-    return struct.pack("!i", len(body)) + body
 
 
 class FaultUpstream(RawUpstream):
