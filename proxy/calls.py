@@ -10,6 +10,9 @@ slow or failed calls, into spans after the call (see `proxy.spans`):
         (Call.backoffs: (start, end) between attempts)
     Call.t_done ─ queued ─ Call.t_write ─ write_response ─ Call.t_acked
                             (Call.t_handed: the kernel took the last byte)
+
+A request that streams upstream as it arrives (`Upload`) ends `read_request` at its last
+byte, so that hop overlaps `acquire` and `write_upstream`.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ class Call:
                  "t_start", "t_framed", "t_done", "t_write", "t_handed", "t_acked", "never_read",
                  "streamed", "client_paused_ns", "upstream_wait_ns", "reply_size", "loop_lag_ns",
                  "trace", "timer", "deadline", "retry_timer", "holds_request", "result_field", "waited",
-                 "_req_framing", "_req_data")
+                 "_req_framing", "_req_data", "upload")
 
     def __init__(self, conn, msg, t_start: int, t_framed: int, pipeline=None) -> None:
         self.conn = conn                    # the client connection (listener)
@@ -74,15 +77,45 @@ class Call:
         self.waited = False                 # its reply waited behind an earlier pipelined one (queued)
         self._req_framing = None            # the upstream framing _req_data is for
         self._req_data = None               # the request bytes as that framing wants them
+        self.upload: Upload | None = None   # a large request streaming in (msg is its head only)
 
     @property
     def request_size(self) -> int:
+        if self.upload is not None:
+            return self.upload.total
         return len(self.msg.data) if self.msg is not None else 0
 
     def __repr__(self) -> str:
         name = self.msg.name if self.msg is not None else "?"
         seqid = self.msg.seqid if self.msg is not None else "?"
         return f"<Call {name} seqid={seqid} attempts={len(self.attempts)} outcome={self.outcome}>"
+
+
+class Upload:
+    """A request larger than its route's `retry_buffer`, passed upstream as it arrives
+    (DESIGN.md: such requests stream and are never retried).
+
+    The listener owns `left` (bytes of the frame still to come from the client); the pipeline
+    writes each piece onto the attempt's connection, or holds the pieces while the attempt
+    waits for one. `paused`: the client's reading is held back for this upload (too much held,
+    or the upstream connection is not taking bytes).
+    """
+
+    __slots__ = ("client", "call", "total", "left", "held", "held_size", "paused", "timeout")
+
+    def __init__(self, client, total: int, left: int, held: list) -> None:
+        self.client = client                # the ClientConnection it arrives on
+        self.call: Call | None = None       # set by the pipeline
+        self.total = total                  # the whole frame, length prefix included
+        self.left = left
+        self.held = held                    # pieces not written yet (no connection yet)
+        self.held_size = sum(map(len, held))
+        self.paused = False
+        self.timeout = 0.0                  # the route timeout, armed once the request is whole
+
+    @property
+    def received(self) -> int:
+        return self.total - self.left
 
 
 class Attempt(Exchange):

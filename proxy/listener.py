@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from time import monotonic_ns
 
 from proxy.codec import Decoder, Framing, Head, MessageType, Protocol, ProtocolError, exception_reply
-from proxy.codec.wire import M_CALL, M_ONEWAY
-from proxy.calls import Call
+from proxy.codec import AppErrorType
+from proxy.codec.wire import F_FRAMED, M_CALL, M_ONEWAY
+from proxy.calls import TIMEOUT, Call, Upload
 from proxy.pipeline import PREFIX
 from proxy.sockets import set_nodelay, unsent_bytes
 
@@ -70,7 +71,7 @@ class ClientConnection(asyncio.Protocol):
                  "closing", "paused_reading", "paused_writing", "_read_timer", "_idle_timer",
                  "_last_active", "_linger", "fd", "bytes_out", "_unacked", "_ack_poll", "_ack_delay",
                  "stream_call", "stream_up", "_paused_at", "_framing", "_eof", "_stall_timer",
-                 "_stall_mark")
+                 "_stall_mark", "upload", "_frame_checked", "_upload_held")
 
     def __init__(self, state: ListenerState) -> None:
         self.state = state
@@ -99,6 +100,9 @@ class ClientConnection(asyncio.Protocol):
         self._eof = False                      # half-closed while requests wait in the decoder
         self._stall_timer = None               # armed while writing is paused
         self._stall_mark = 0                   # bytes the client had read when it was armed
+        self.upload: Upload | None = None      # a large request passing upstream as it arrives
+        self._frame_checked = False            # the incomplete frame in the decoder is read whole
+        self._upload_held = False              # reading paused for the upload (calls.Upload.paused)
 
     # -- asyncio.Protocol -----------------------------------------------------
 
@@ -129,6 +133,10 @@ class ClientConnection(asyncio.Protocol):
             self._check_acks()
         if self._idle_timer is not None:
             self._last_active = now
+        if self.upload is not None:
+            data = self._upload_more(data)
+            if not data:
+                return  # (what follows the streamed request, if anything, begins the next one)
         dec = self.decoder
         if len(self.queue) < self.state.settings.max_inflight:
             msg = dec.take(data)  # the common case: this read is one whole request
@@ -173,7 +181,7 @@ class ClientConnection(asyncio.Protocol):
                 self.paused_reading = True
                 self.transport.pause_reading()
             return
-        if dec.buffered:
+        if dec.buffered or self.upload is not None:
             if self._read_timer is None:
                 self._arm_read_timer(self.t_first)
         elif self._read_timer is not None:
@@ -194,7 +202,10 @@ class ClientConnection(asyncio.Protocol):
                     return
                 continue  # the bad frame was consumed (INVALID_TRANSFORM): requests behind it go on
             if msg is None:
+                if dec.buffered and not self._frame_checked and dec.framing is F_FRAMED:
+                    self._maybe_upload(dec, pipeline, now)
                 break
+            self._frame_checked = False
             t_start = self.t_first
             self.t_first = now
             if msg.type != M_CALL and msg.type != M_ONEWAY:
@@ -204,6 +215,67 @@ class ClientConnection(asyncio.Protocol):
             if self.closing:
                 return
 
+    # -- a large request streams in -----------------------------------------------------
+
+    def _maybe_upload(self, dec: Decoder, pipeline, now: int) -> None:
+        """An incomplete framed request whose head is here: pass it upstream as it arrives
+        (`Pipeline.streams` decides), or leave it to be read whole (decided once per frame)."""
+        pending = dec.pending_frame()
+        if pending is None:
+            return  # its head is not here yet
+        self._frame_checked = True
+        msg, total = pending
+        if not pipeline.streams(msg, total):
+            return
+        self._frame_checked = False
+        parts = dec.detach_frame()
+        up = Upload(self, total, 0, parts)
+        up.left = total - up.held_size
+        self.upload = up
+        pipeline.handle(self, msg, self.t_first, now, up)
+
+    def _upload_more(self, data: bytes):
+        """The next read while a request streams: its part goes on; returns what follows it."""
+        up = self.upload
+        left = up.left
+        n = len(data)
+        call = up.call
+        if n < left:
+            up.left = left - n
+            call.pipeline.upload_data(call, data, False)
+            return None
+        self.upload = None
+        up.left = 0
+        call.pipeline.upload_data(call, data if n == left else memoryview(data)[:left], True)
+        if n == left:
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+                self._read_timer = None
+            return None
+        return data[left:]
+
+    def hold_upload(self, on: bool) -> None:
+        """Pause reading while a streaming request cannot go on (the upstream is not taking it,
+        or it waits for a connection with enough held); resume when it can."""
+        self._upload_held = on
+        if on:
+            if not self.paused_reading and not self.closing and self.transport is not None:
+                self.paused_reading = True
+                self.transport.pause_reading()
+        else:
+            self._maybe_resume()
+
+    def _upload_broken(self, text: str, outcome=None) -> None:
+        """The streaming request will not be finished: its call is answered with `text`."""
+        up = self.upload
+        self.upload = None
+        self._upload_held = False
+        call = up.call
+        if outcome is None:
+            call.pipeline.upload_broken(call, text)
+        else:
+            call.pipeline.upload_broken(call, text, outcome, AppErrorType.INTERNAL_ERROR)
+
     def _bad_type(self, msg) -> None:
         self._protocol_error(ProtocolError(
             f"bad request: message type {msg.type} from a client (expected CALL or ONEWAY)", head=msg.head))
@@ -211,6 +283,15 @@ class ClientConnection(asyncio.Protocol):
     def eof_received(self) -> bool:
         if self.closing:
             return False
+        up = self.upload
+        if up is not None:
+            self.closing = True  # answer it (the client half-closed), then close
+            self._upload_broken(f"bad request: connection closed inside a request "
+                                f"({up.received} of {up.total} bytes received)")
+            if not self.queue:
+                self._close_after_replies()
+                return False
+            return True
         if self.decoder.buffered and len(self.queue) >= self.state.settings.max_inflight:
             self._eof = True  # whole requests wait in the decoder: answer them first
             return True
@@ -404,7 +485,7 @@ class ClientConnection(asyncio.Protocol):
             self._maybe_resume()
 
     def _maybe_resume(self) -> None:
-        if (self.paused_reading and not self.paused_writing and not self.closing
+        if (self.paused_reading and not self.paused_writing and not self.closing and not self._upload_held
                 and len(self.queue) < self.state.settings.max_inflight):
             self.paused_reading = False
             self.transport.resume_reading()
@@ -517,13 +598,27 @@ class ClientConnection(asyncio.Protocol):
 
     def _read_timeout(self, t_first: int) -> None:
         self._read_timer = None
-        if self.closing or not self.decoder.buffered:
+        up = self.upload
+        if self.closing or not (self.decoder.buffered or up is not None):
             return
         if self.t_first != t_first:  # another request started since: re-arm for it
             self._arm_read_timer(self.t_first)
             return
         self.state.stats["read_timeouts"] += 1
         timeout = self.state.settings.request_read_timeout
+        if up is not None:
+            self.closing = True
+            if self._upload_held and up.call.attempt is not None and up.call.attempt.upconn is not None:
+                label = up.call.attempt.endpoint.label
+                self._upload_broken(
+                    f"may have run: {label} took no more of the request within request_read_timeout "
+                    f"{timeout:g}s ({up.received} of {up.total} bytes received)", TIMEOUT)
+            else:
+                self._upload_broken(f"bad request: request not complete within request_read_timeout "
+                                    f"{timeout:g}s ({up.received} of {up.total} bytes received)")
+            if not self.queue:
+                self._close_after_replies()
+            return
         self._protocol_error(ProtocolError(
             f"bad request: request not complete within request_read_timeout {timeout:g}s "
             f"({self.decoder.buffered} bytes received)"))

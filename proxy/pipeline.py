@@ -16,6 +16,10 @@
       8. retry?      policy (idempotency, attempts, retry_buffer) → max_retries → budget → backoff
       9. answer      reply bytes re-framed for the client, queued in request order
 
+A framed request over its route's `retry_buffer` that does not come in one read is
+handled from its head instead (`streams`): steps 1-4 run at once, and its bytes go
+upstream as they arrive (`upload_data`); it is never retried (DESIGN.md).
+
 Everything here runs in protocol callbacks and timer handles: no task per
 call. Error rule (DESIGN.md): if any attempt of the call was written
 upstream, the client hears "may have run", else "not sent".
@@ -31,11 +35,11 @@ from typing import Mapping
 
 from proxy import calls
 from proxy.breaker import CLOSED, classify_for_breaker
-from proxy.calls import Attempt, Call
+from proxy.calls import Attempt, Call, Upload
 from proxy.codec.rename import strip_service
 from proxy.codec import (AppErrorType, Message, MessageType, Protocol, ProtocolError, exception_reply,
                          reframe)
-from proxy.codec.wire import F_FRAMED_HEADER, F_HEADER, M_EXCEPTION, M_ONEWAY
+from proxy.codec.wire import F_FRAMED, F_FRAMED_HEADER, F_HEADER, M_CALL, M_EXCEPTION, M_ONEWAY
 from proxy.retry import RetryPolicy
 from proxy.upstream import UpstreamError
 
@@ -43,6 +47,8 @@ log = logging.getLogger(__name__)
 
 PREFIX = "thrift-sidecar: "
 CLIENT_TIMEOUT_HEADER = "client_timeout"  # ms, as fbthrift carries it
+DEFAULT_RETRY_BUFFER = 1 << 20  # a route without settings (config.Route.retry_buffer's default)
+UPLOAD_HOLD = 1 << 20  # bytes of a streaming request held while it waits for a connection
 
 
 def _same_protocol(a: Protocol, b: Protocol) -> bool:
@@ -83,9 +89,13 @@ class Pipeline:
 
     # 1-3: route, oneway, admit -----------------------------------------------------
 
-    def handle(self, conn, msg: Message, t_start: int, t_framed: int) -> None:
+    def handle(self, conn, msg: Message, t_start: int, t_framed: int, upload: Upload | None = None) -> None:
+        """A request framed (or, with `upload`, a large one whose head is here: see `streams`)."""
         self.stats["calls"] += 1
         call = Call(conn, msg, t_start, t_framed, self)
+        if upload is not None:
+            call.upload = upload
+            upload.call = call
         call.oneway = msg.type == M_ONEWAY or (
             bool(self.oneway_methods) and (msg.name in self.oneway_methods or msg.method in self.oneway_methods))
         if not call.oneway:
@@ -126,9 +136,89 @@ class Pipeline:
             except ValueError:
                 pass
         if timeout > 0 and not call.oneway:
-            call.deadline = self.loop.time() + timeout - (monotonic_ns() - t_framed) / 1e9
-            call.timer = self.loop.call_at(call.deadline, self._call_timeout, call, timeout)
+            if upload is not None:
+                upload.timeout = timeout  # counts from the request's last byte (_upload_received)
+            else:
+                call.deadline = self.loop.time() + timeout - (monotonic_ns() - t_framed) / 1e9
+                call.timer = self.loop.call_at(call.deadline, self._call_timeout, call, timeout)
         self.start_attempt(call)
+
+    # 1b: a large request streams in --------------------------------------------------
+
+    def streams(self, msg: Message, total: int) -> bool:
+        """Should this framed request, `total` bytes of which only the head is here yet, pass
+        upstream as it arrives? Yes when it is over its route's `retry_buffer` (so it could
+        never be retried anyway) and goes out as it came in (framed, not renamed, a CALL that
+        is answered); also when no route takes it (answered at once, the rest read and
+        dropped). Otherwise it is read whole first, as any request."""
+        route = self.router.route(msg)
+        if route is None:
+            return True
+        if (msg.type != M_CALL or route.strip_service
+                or (self.oneway_methods and (msg.name in self.oneway_methods or msg.method in self.oneway_methods))):
+            return False
+        s = route.settings
+        if total <= (s.retry_buffer if s is not None else DEFAULT_RETRY_BUFFER):
+            return False
+        return all(c.framing is None or c.framing is F_FRAMED for c in route.clusters)
+
+    def upload_data(self, call: Call, data, last: bool) -> None:
+        """The next piece of a streaming request (`last`: its end): written to the attempt's
+        connection, held while the attempt waits for one, dropped once the call is answered."""
+        up = call.upload
+        now = monotonic_ns() if last else 0  # the request's last byte: read_request ends
+        a = call.attempt
+        conn = a.upconn if a is not None else None
+        if conn is not None and conn.upload is up and not conn.closed:
+            conn.transport.write(data)
+            if last:
+                conn.upload = None
+                a.t_written = monotonic_ns()
+                if up.paused:  # the upstream still has to take it all; the client may go on
+                    up.paused = False
+                    up.client.hold_upload(False)
+        elif a is not None and not a.ended and call.reply is None and not call.cancelled:
+            up.held.append(bytes(data))  # no connection yet
+            up.held_size += len(data)
+            if up.held_size > UPLOAD_HOLD and not up.paused:
+                up.paused = True
+                up.client.hold_upload(True)
+        if last and call.reply is None and not call.cancelled:
+            call.t_framed = now
+            self._upload_received(call)
+
+    def _upload_received(self, call: Call) -> None:
+        """The whole request is here: the route deadline (and the attempt's per-try timeout)
+        count from now, as they do from a small request's framing."""
+        up = call.upload
+        if up.timeout > 0:
+            call.deadline = self.loop.time() + up.timeout
+            call.timer = self.loop.call_at(call.deadline, self._call_timeout, call, up.timeout)
+        a = call.attempt
+        settings = call.route.settings if call.route is not None else None
+        per_try = settings.retry.per_try_timeout if settings is not None else 0.0
+        if per_try > 0 and a is not None and not a.ended and a.timer is None:
+            at = self.loop.time() + per_try
+            if not call.deadline or at < call.deadline:
+                a.timer = self.loop.call_at(at, self._attempt_timeout, a, per_try)
+
+    def upload_broken(self, call: Call, text: str, outcome: str = calls.BAD_REQUEST,
+                      app_type: AppErrorType = AppErrorType.PROTOCOL_ERROR) -> None:
+        """The request stopped short (the client closed, or it did not arrive in time): the
+        attempt stops (its connection, holding part of a request, is discarded) and the client
+        hears `text`, unless the call was answered already."""
+        if call.reply is not None or call.cancelled:
+            return
+        a = call.attempt
+        if a is not None and not a.ended:
+            self._stop_attempt(a, "request cut")
+            self._leave_pending(a)
+            self._off_connection(a)
+            a.error = text
+            self._end_attempt(a, calls.MAY_HAVE_RUN if call.written else calls.NOT_SENT, False)
+        self._cancel_backoff(call)
+        call.outcome = outcome
+        self.fail(call, app_type, text)
 
     # 4: attempt ---------------------------------------------------------------
 
@@ -158,7 +248,7 @@ class Pipeline:
                 attempt.probe = breaker.on_pick()
         settings = call.route.settings
         per_try = settings.retry.per_try_timeout if settings is not None else 0.0
-        if per_try > 0 and not call.oneway:
+        if per_try > 0 and not call.oneway and (call.upload is None or not call.upload.left):
             at = self.loop.time() + per_try
             if call.deadline and call.deadline < at:
                 at = call.deadline + 0.001  # the route deadline fires first
@@ -192,6 +282,9 @@ class Pipeline:
             return
         attempt.t_acquired = monotonic_ns()
         attempt.upconn = conn
+        if call.upload is not None:
+            self._send_upload(attempt, conn, call.upload)
+            return
         framing = conn.pool.framing
         try:
             data = self._request_bytes(call, attempt, framing)
@@ -213,6 +306,22 @@ class Pipeline:
             self._end_attempt(attempt, calls.SUCCESS)
             self._release_call(call)
             self.completed(call)
+
+    def _send_upload(self, attempt: Attempt, conn, up: Upload) -> None:
+        """A streaming request got its connection: what is held goes out; the rest follows
+        (upload_data) as it arrives."""
+        attempt.endpoint.outstanding += 1
+        attempt.call.written = True
+        held = up.held
+        up.held = []
+        up.held_size = 0
+        if up.paused:  # too much was held: the client may go on now (before the write, which
+            up.paused = False  # may pause it again: the upstream not taking the bytes)
+            up.client.hold_upload(False)
+        conn.upload = up if up.left else None
+        conn.exchange(attempt, held[0] if len(held) == 1 else b"".join(held))
+        if not up.left:
+            attempt.t_written = monotonic_ns()
 
     def _request_bytes(self, call: Call, attempt: Attempt, framing) -> bytes:
         """The request as this upstream wants it: re-framed, renamed, with THeader headers added."""
@@ -293,8 +402,11 @@ class Pipeline:
     def stream_start(self, attempt: Attempt, head) -> bool:
         call = attempt.call
         if (call.cancelled or attempt is not call.attempt or call.oneway
-                or head.framing is not call.msg.framing or not call.conn.can_stream(call)):
-            return False  # read it whole: it is re-framed, or replies ahead of it are pending
+                or head.framing is not call.msg.framing or not call.conn.can_stream(call)
+                or (call.upload is not None and call.upload.left)):
+            # read it whole: it is re-framed, or replies ahead of it are pending, or it came
+            # before the whole request was written (that connection is then discarded)
+            return False
         if head.type == MessageType.EXCEPTION:
             outcome = calls.APP_EXCEPTION
         elif head.result_field is not None and head.result_field > 0:
@@ -542,6 +654,12 @@ class Pipeline:
         call.t_done = monotonic_ns()
         call.reply = data
         self._release_call(call)
+        up = call.upload
+        if up is not None and up.left:  # answered before its request is all here: the rest is dropped
+            up.held = []
+            if up.paused:
+                up.paused = False
+                up.client.hold_upload(False)
         call.conn.call_done(call)
 
     def _release_call(self, call: Call) -> None:
@@ -567,4 +685,9 @@ class Pipeline:
             a.waiter = None
             self._leave_pending(a)
             self._end_attempt(a, calls.NOT_SENT, False)
+        elif a is not None and a.upconn is not None and a.upconn.upload is not None:
+            a.upconn.abandon()  # it holds part of a request that will never be finished
+            self._off_connection(a)
+            a.error = "the client closed its connection while sending the request"
+            self._end_attempt(a, calls.MAY_HAVE_RUN, False)
         self._release_call(call)

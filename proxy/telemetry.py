@@ -295,7 +295,7 @@ class Telemetry:
             a[spans.PEER_PORT] = int(peer[1])
         if msg is not None:
             a[spans.SEQID] = msg.seqid
-            a[spans.REQUEST_SIZE] = len(msg.data)
+            a[spans.REQUEST_SIZE] = call.request_size
         reply = call.reply
         reply_size = call.reply_size or (len(reply) if reply is not None else 0)
         if reply_size:
@@ -306,6 +306,8 @@ class Telemetry:
             a[spans.STREAMED] = True
             a[spans.CLIENT_PAUSED_MS] = _ms(call.client_paused_ns)
             a[spans.UPSTREAM_WAIT_MS] = _ms(call.upstream_wait_ns)
+        if call.upload is not None:
+            a[spans.REQUEST_STREAMED] = True
         if call.loop_lag_ns:
             a[spans.LOOP_LAG_MS] = _ms(call.loop_lag_ns)
         error = None
@@ -372,7 +374,7 @@ class Telemetry:
         if att.breaker_state is not None:
             a[spans.BREAKER_STATE] = att.breaker_state
         if t_written and call.msg is not None:
-            a[spans.REQUEST_SIZE] = len(call.msg.data)
+            a[spans.REQUEST_SIZE] = call.request_size
         if att.reply_size:
             a[spans.REPLY_SIZE] = att.reply_size
         error = None

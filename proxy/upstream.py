@@ -127,7 +127,7 @@ class Exchange:
 class UpstreamConnection(asyncio.Protocol):
     __slots__ = ("pool", "transport", "decoder", "exchange_", "idle_since", "closed", "label", "framing",
                  "protocol", "max_reply_size", "stream_threshold", "_probe", "_stream_left", "_may_stream", "_tail",
-                 "paused")
+                 "paused", "upload")
 
     def __init__(self, pool, framing: Framing, protocol: Protocol, max_reply_size: int,
                  stream_threshold: int = 0) -> None:
@@ -149,6 +149,7 @@ class UpstreamConnection(asyncio.Protocol):
                                            # (set by its first read; cleared once asked)
         self._tail: UnframedStream | None = None  # finds the end of a streaming unframed reply
         self.paused = False                # reading paused by a streaming client's backpressure
+        self.upload = None                 # the streaming request still being written (calls.Upload)
 
     # -- asyncio.Protocol -----------------------------------------------------
 
@@ -202,8 +203,12 @@ class UpstreamConnection(asyncio.Protocol):
             self._fail_head(ex, reply.seqid, reply.type)
             return
         self.exchange_ = None
-        if self.decoder.buffered:
-            log.info("upstream %s sent bytes past its reply; closing that connection", self.label)
+        if self.decoder.buffered or self.upload is not None:
+            if self.upload is not None:
+                log.info("upstream %s replied before the whole request was written; closing that connection",
+                         self.label)
+            else:
+                log.info("upstream %s sent bytes past its reply; closing that connection", self.label)
             self._discard()
             ex.on_reply(reply)
             return
@@ -334,6 +339,19 @@ class UpstreamConnection(asyncio.Protocol):
     def eof_received(self) -> bool:
         return False
 
+    def pause_writing(self) -> None:
+        """The upstream is not taking a streaming request's bytes: the client waits too."""
+        up = self.upload
+        if up is not None and not up.paused:
+            up.paused = True
+            up.client.hold_upload(True)
+
+    def resume_writing(self) -> None:
+        up = self.upload
+        if up is not None and up.paused:
+            up.paused = False
+            up.client.hold_upload(False)
+
     def connection_lost(self, exc) -> None:
         if not self.closed:
             self.closed = True
@@ -343,8 +361,8 @@ class UpstreamConnection(asyncio.Protocol):
             self.exchange_ = None
             self._stream_cut(ex)
             why = f": {exc}" if exc else ""
-            ex.on_failure(UpstreamError(
-                f"connection to {self.label} lost after the request was written{why}", written=True))
+            when = "while the request was being written" if self.upload is not None else "after the request was written"
+            ex.on_failure(UpstreamError(f"connection to {self.label} lost {when}{why}", written=True))
 
     # -- used by the pipeline -------------------------------------------------
 

@@ -23,6 +23,11 @@ first reads its head and first result field once they are here, the second hands
 message's bytes so far and its scan over to a `proxy.codec.stream.UnframedStream`,
 which finds its end in the reads that follow without keeping them.
 
+`pending_frame()` and `detach_frame()` let a large framed request stream upstream as it
+arrives (a request over its route's `retry_buffer`): the first reads its head and whole size
+once they are here, the second hands its bytes so far over and leaves the decoder empty; the
+caller then passes on the rest of the frame itself.
+
 `take(data)` is the hot path's shortcut: one read that is exactly one strict-binary
 framed message, nothing buffered: the same Message `feed` + `next_message` would give,
 with no buffering (`proxy.codec.message.take_framed`, compiled when it was built). Anything
@@ -224,6 +229,63 @@ class Decoder:
         self._head = None
         self._scanner = None
         return buf, UnframedStream(scanner, buf, self.max_frame_size)
+
+    def pending_frame(self) -> tuple[Message, int] | None:
+        """(head, whole size) of a plain framed message still arriving, once its head is here.
+
+        The Message carries the head only: its `data` is empty (the bytes stay here until
+        `detach_frame`). None when no incomplete plain framed message is held or its head is
+        not here yet (or is unreadable: then it is read whole and refused as usual).
+        Changes nothing.
+        """
+        if self.framing is not F_FRAMED:
+            return None
+        if self._parts is not None:
+            buf, off, total = self._parts[0], 0, self._parts_need
+        else:
+            if self._whole is not None:
+                buf, off = self._whole, 0
+            else:
+                buf, off = self._buf, self._off
+            if len(buf) - off < 4:
+                return None
+            total = 4 + _I32.unpack_from(buf, off)[0]
+            if total <= len(buf) - off or total - 4 > self.max_frame_size:
+                return None  # complete (next_message returns it) or refused by next_message
+        end = len(buf)
+        start = off + 4
+        protocol = self.protocol
+        try:
+            if protocol is None:
+                if end - start < 2:
+                    return None
+                protocol = _sniff_protocol(buf, start)
+            r = read_head(buf, start, end, protocol)
+        except ProtocolError:
+            return None
+        if r is None:
+            return None
+        name, mtype, seqid, _ = r
+        return Message(name, mtype, seqid, F_FRAMED, protocol, b"", 0, None, b"", 0), total
+
+    def detach_frame(self) -> list[bytes]:
+        """Hand over the incomplete framed message `pending_frame()` described: its bytes so
+        far, as a list of bytes objects (the caller's now). The decoder is left empty, as if
+        the message had been returned; the caller passes on the rest of the frame itself."""
+        if self._parts is not None:
+            parts = self._parts
+            self._parts = None
+            self._parts_have = self._parts_need = 0
+        elif self._whole is not None:
+            parts = [self._whole]
+            self._whole = None
+        else:
+            parts = [_copy(self._buf, self._off, len(self._buf))]
+        self._buf = bytearray()
+        self._off = 0
+        if self.protocol is None:
+            self.protocol = _sniff_protocol(parts[0], 4)
+        return parts
 
     # -- output ---------------------------------------------------------------
 

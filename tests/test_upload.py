@@ -1,0 +1,437 @@
+"""Large requests stream upstream as they arrive (DESIGN.md: over `retry_buffer`, never retried).
+
+Real sockets on 127.0.0.1: raw clients that control exactly when each byte is sent, hand-written
+upstreams that say what reached them and when, and a generated Apache client and server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from harness import (Proxy, ProxyProcess, RawUpstream, ThriftServer, client, config_text, free_port, proc_status,
+                     read_messages, reply_bytes, request_bytes, wait_for)
+from proxy.codec import AppErrorType, Decoder, Framing, MessageType, Protocol
+from proxy.codec.heads import read_head
+
+
+def _config(upstream: str, port: int = 0, route: str = "", listener: str = "", cluster: str = "") -> str:
+    text = config_text([upstream], listen_port=port, extra_listener=listener, extra_cluster=cluster)
+    if route:
+        text = text.replace("      - cluster: up\n", f"      - cluster: up\n{route}")
+    return text
+
+
+def _echo_request(size: int, seqid: int) -> bytes:
+    """A framed strict-binary `echo` CALL whose string argument is `size` random bytes."""
+    return request_bytes("framed", "binary", "echo", os.urandom(size), seqid=seqid)
+
+
+def _exception(msg):
+    """(type, message) of a TApplicationException reply."""
+    from thrift.protocol import TBinaryProtocol
+    from thrift.Thrift import TApplicationException
+    from thrift.transport import TTransport
+
+    assert msg.type == MessageType.EXCEPTION, msg
+    prot = TBinaryProtocol.TBinaryProtocol(TTransport.TMemoryBuffer(bytes(msg.payload())))
+    prot.readMessageBegin()
+    e = TApplicationException()
+    e.read(prot)
+    return e.type, e.message
+
+
+class RecordingUpstream(RawUpstream):
+    """Reads framed requests, counting every byte as it arrives (`received`); answers each
+    whole request with a REPLY carrying the sha256 of its bytes. `cut_after`: the first
+    connection closes once it has read that many bytes. `early`: the first connection replies as
+    soon as it has a request's head, before the rest arrives."""
+
+    def __init__(self, cut_after: int = 0, early: bool = False) -> None:
+        self.received = 0
+        self.requests: list[bytes] = []
+        self.cut_after = cut_after
+        self.early = early
+        self.closed_by_peer = threading.Event()
+        super().__init__()
+
+    def _one(self, c: socket.socket) -> None:
+        first = self.connections == 1
+        buf = bytearray()
+        answered = False
+        while True:
+            try:
+                data = c.recv(1 << 20)
+            except OSError:
+                return
+            if not data:
+                self.closed_by_peer.set()
+                return
+            self.received += len(data)
+            buf += data
+            if first and self.cut_after and self.received >= self.cut_after:
+                c.close()
+                return
+            while len(buf) >= 4:
+                total = 4 + struct.unpack_from("!i", buf)[0]
+                if first and self.early and not answered and len(buf) >= 64:
+                    name, _, seqid, _ = read_head(buf, 4, len(buf), Protocol.BINARY)
+                    c.sendall(reply_bytes(name.encode(), seqid, b"early"))
+                    answered = True
+                if len(buf) < total:
+                    break
+                frame = bytes(buf[:total])
+                del buf[:total]
+                self.requests.append(frame)
+                if answered:
+                    answered = False
+                    continue
+                name, _, seqid, _ = read_head(frame, 4, len(frame), Protocol.BINARY)
+                c.sendall(reply_bytes(name.encode(), seqid, hashlib.sha256(frame).hexdigest().encode()))
+
+
+def _reply_text(msg) -> bytes:
+    """The string result of a reply built by `reply_bytes`."""
+    data = bytes(msg.data)
+    n = struct.unpack_from("!i", data, msg.body + 3)[0]  # past the field header (type, id)
+    return data[msg.body + 7:msg.body + 7 + n]
+
+
+def _calls(p: Proxy) -> list:
+    done = []
+    p.server.listeners["test"].pipeline.on_complete = done.append
+    return done
+
+
+def test_a_large_request_reaches_the_upstream_before_the_client_has_sent_it_all():
+    """Half of a 6 MB request is written upstream while the other half is still with the client:
+    read whole first, the upstream would see nothing until the end and this would time out."""
+    up = RecordingUpstream()
+    req = _echo_request(6_000_000, seqid=41)
+    try:
+        with Proxy(_config(up.address)) as p:
+            done = _calls(p)
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(req[:3_000_000])
+                wait_for(lambda: up.received >= 2_500_000, 5, "the first half upstream")
+                assert not up.requests
+                s.sendall(req[3_000_000:])
+                (reply,) = read_messages(s, 1, "framed", "binary")
+            wait_for(lambda: done, 5, "the call recorded")
+    finally:
+        up.close()
+    assert reply.seqid == 41 and reply.type == MessageType.REPLY
+    assert up.requests == [req]
+    assert _reply_text(reply) == hashlib.sha256(req).hexdigest().encode()
+    (call,) = done
+    assert call.upload is not None and call.request_size == len(req)
+    a = call.attempts[0]
+    # read_request and write_upstream overlap: the upstream had bytes long before the last one came
+    assert a.t_acquired < call.t_framed <= a.t_written < a.t_reply
+
+
+def test_requests_within_retry_buffer_are_read_whole():
+    up = RecordingUpstream()
+    req = _echo_request(3_000_000, seqid=5)
+    try:
+        with Proxy(_config(up.address, route="        retry_buffer: 8MiB\n")) as p:
+            done = _calls(p)
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(req[:2_000_000])
+                time.sleep(0.3)
+                assert up.received == 0  # held until it is whole: it could be retried
+                s.sendall(req[2_000_000:])
+                (reply,) = read_messages(s, 1, "framed", "binary")
+            wait_for(lambda: done, 5, "the call recorded")
+    finally:
+        up.close()
+    assert reply.seqid == 5 and _reply_text(reply) == hashlib.sha256(req).hexdigest().encode()
+    assert done[0].upload is None
+
+
+@pytest.mark.parametrize("protocol", ["binary", "compact"])
+def test_generated_clients_large_echo_streams_and_arrives_intact(protocol):
+    up = ThriftServer(protocol=protocol)
+    try:
+        with Proxy(config_text([up.address], protocol=protocol)) as p:
+            done = _calls(p)
+            with client(p.port(), protocol=protocol) as c:
+                for size in (3_000_000, 12_000_000):
+                    big = os.urandom(size)
+                    assert c.echo(big) == big
+                assert c.ping() is None
+            wait_for(lambda: len(done) == 3, 5, "three calls recorded")
+    finally:
+        up.stop()
+    streamed = [call.request_size for call in done if call.upload is not None]
+    assert len(streamed) == 2 and min(streamed) > 3_000_000
+
+
+def test_pipelined_request_right_behind_a_streamed_one_is_answered_in_order():
+    up = RecordingUpstream()
+    big = _echo_request(4_000_000, seqid=1)
+    small = request_bytes("framed", "binary", "ping", seqid=2)
+    try:
+        with Proxy(_config(up.address)) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(big[:1_000_000])
+                wait_for(lambda: up.received > 0, 5, "the upload started")
+                s.sendall(big[1_000_000:] + small)  # the big one's tail and the next request in one write
+                replies = read_messages(s, 2, "framed", "binary")
+    finally:
+        up.close()
+    assert [m.seqid for m in replies] == [1, 2]
+    assert [_reply_text(m) for m in replies] == [hashlib.sha256(r).hexdigest().encode() for r in (big, small)]
+
+
+def test_upstream_lost_mid_request_answers_may_have_run_and_the_connection_goes_on():
+    up = RecordingUpstream(cut_after=1_000_000)
+    big = _echo_request(5_000_000, seqid=9)
+    try:
+        with Proxy(_config(up.address)) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(big)  # the proxy drops what follows the cut
+                s.sendall(request_bytes("framed", "binary", "ping", seqid=10))
+                err, ok = read_messages(s, 2, "framed", "binary")
+            stats = p.server.listeners["test"].pipeline.stats
+    finally:
+        up.close()
+    assert err.seqid == 9
+    kind, text = _exception(err)
+    assert kind == AppErrorType.INTERNAL_ERROR
+    assert text.startswith("thrift-sidecar: may have run: connection to ")
+    # "while the request was being written", or "after": the proxy may have handed its last
+    # piece to the transport (which the reset then cut) before the reset came
+    assert " lost " in text and "the request was being written" in text or "after the request was written" in text
+    assert ok.seqid == 10 and ok.type == MessageType.REPLY
+    assert stats["retries"] == 0
+    assert up.connections == 2
+
+
+def test_upstream_replying_before_the_request_is_all_written_is_passed_on_and_not_reused():
+    up = RecordingUpstream(early=True)
+    big = _echo_request(4_000_000, seqid=3)
+    try:
+        with Proxy(_config(up.address)) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(big[:500_000])
+                (early,) = read_messages(s, 1, "framed", "binary")
+                s.sendall(big[500_000:])  # dropped by the proxy
+                s.sendall(request_bytes("framed", "binary", "ping", seqid=4))
+                (ping,) = read_messages(s, 1, "framed", "binary")
+    finally:
+        up.close()
+    assert early.seqid == 3 and _reply_text(early) == b"early"
+    assert ping.seqid == 4 and ping.type == MessageType.REPLY
+    assert up.connections == 2  # the connection holding half a request was never reused
+
+
+def test_large_request_with_no_route_is_answered_at_once_and_the_rest_dropped():
+    up = RecordingUpstream()
+    text = _config(up.address).replace("      - cluster: up\n", "      - match: {method: ping}\n        cluster: up\n")
+    big = _echo_request(4_000_000, seqid=21)
+    try:
+        with Proxy(text) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(big[:1_000_000])
+                (err,) = read_messages(s, 1, "framed", "binary")  # before the rest was sent
+                s.sendall(big[1_000_000:] + request_bytes("framed", "binary", "ping", seqid=22))
+                (ok,) = read_messages(s, 1, "framed", "binary")
+    finally:
+        up.close()
+    assert err.seqid == 21
+    kind, text = _exception(err)
+    assert kind == AppErrorType.UNKNOWN_METHOD and "no route: method 'echo'" in text
+    assert ok.seqid == 22 and ok.type == MessageType.REPLY
+    assert up.received == len(request_bytes("framed", "binary", "ping", seqid=22))
+
+
+def test_client_gone_mid_request_closes_that_upstream_connection():
+    up = RecordingUpstream()
+    big = _echo_request(4_000_000, seqid=1)
+    try:
+        with Proxy(_config(up.address)) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(big[:1_000_000])
+                wait_for(lambda: up.received > 0, 5, "the upload started")
+            assert up.closed_by_peer.wait(5), "the upstream connection holding half a request stayed open"
+            with client(p.port()) as c:  # the proxy goes on
+                up_requests = len(up.requests)
+                c.ping()
+            assert len(up.requests) == up_requests + 1
+    finally:
+        up.close()
+
+
+def test_route_timeout_counts_from_the_requests_last_byte():
+    """A request that takes ~0.8 s to arrive, under a 300 ms route timeout, succeeds: the
+    timeout bounds the upstream's part, as it does for a request read whole."""
+    up = RecordingUpstream()
+    big = _echo_request(3_000_000, seqid=6)
+    try:
+        with Proxy(_config(up.address, route="        timeout: 300ms\n")) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                for i in range(0, len(big), 400_000):
+                    s.sendall(big[i:i + 400_000])
+                    time.sleep(0.1)
+                (reply,) = read_messages(s, 1, "framed", "binary")
+    finally:
+        up.close()
+    assert reply.seqid == 6 and reply.type == MessageType.REPLY
+    assert _reply_text(reply) == hashlib.sha256(big).hexdigest().encode()
+
+
+def test_request_stopping_short_is_answered_with_its_seqid():
+    """request_read_timeout bounds a streaming request as it bounds any other; a half-close
+    inside one is answered too. Either way the upstream connection holding part of it goes."""
+    up = RecordingUpstream()
+    big = _echo_request(3_000_000, seqid=77)
+    try:
+        with Proxy(_config(up.address, listener="\n    request_read_timeout: 300ms")) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(big[:1_000_000])
+                (err,) = read_messages(s, 1, "framed", "binary")
+                s.settimeout(5)
+                assert s.recv(1) == b""  # then closed
+            kind, text = _exception(err)
+            assert err.seqid == 77 and kind == AppErrorType.PROTOCOL_ERROR
+            assert "request not complete within request_read_timeout 0.3s (1000000 of" in text
+            assert up.closed_by_peer.wait(5)
+            up.closed_by_peer.clear()
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(big[:1_000_000])
+                wait_for(lambda: up.received >= 2_000_000 or up.closed_by_peer.is_set() or False, 5,
+                         "the second upload started")
+                s.shutdown(socket.SHUT_WR)
+                (err,) = read_messages(s, 1, "framed", "binary")
+            kind, text = _exception(err)
+            assert err.seqid == 77 and "connection closed inside a request (1000000 of" in text
+            assert up.closed_by_peer.wait(5)
+    finally:
+        up.close()
+
+
+class StalledUpstream(RawUpstream):
+    """Accepts and never reads: its receive window fills and the proxy's writes back up."""
+
+    def _one(self, c: socket.socket) -> None:
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        time.sleep(60)
+
+
+def test_upstream_not_reading_holds_the_client_back_and_bounds_memory():
+    """Backpressure: the proxy stops reading the client instead of queueing the request, and
+    request_read_timeout then says whose fault it was."""
+    up = StalledUpstream()
+    port = free_port()
+    big = _echo_request(60_000_000, seqid=8)
+    text = _config(up.address, port, listener="\n    max_frame_size: 100MiB\n    request_read_timeout: 1s")
+    try:
+        with ProxyProcess(text, [port]) as p:
+            with socket.create_connection(("127.0.0.1", port)) as s:  # warm up
+                s.sendall(request_bytes("framed", "binary", "ping", seqid=1))
+            base = proc_status(p.proc.pid, "VmRSS")
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.settimeout(10)
+                sent = 0
+                try:
+                    while sent < len(big):
+                        sent += s.send(big[sent:sent + (1 << 20)])
+                except (socket.timeout, OSError):
+                    pass
+                (err,) = read_messages(s, 1, "framed", "binary")
+            peak = proc_status(p.proc.pid, "VmHWM")
+    finally:
+        up.close()
+    kind, text = _exception(err)
+    assert err.seqid == 8 and kind == AppErrorType.INTERNAL_ERROR
+    assert "may have run: " in text and "took no more of the request within request_read_timeout 1s" in text
+    # what the proxy had read when it gave up: socket buffers' worth, not the 60 MB the client
+    # had to send (the rest it could only send to the lingering close, which drops it)
+    received = int(text.split("(")[1].split(" of ")[0])
+    assert received < 20_000_000, text
+    assert (peak - base) / 1024 <= 32, f"peak RSS grew by {(peak - base) / 1024:.1f} MiB"
+
+
+@pytest.mark.slow
+def test_256_mib_request_streams_with_bounded_memory():
+    size = 256 * 1024 * 1024
+    up = RecordingUpstream()
+    port = free_port()
+    text = _config(up.address, port, listener="\n    max_frame_size: 300MiB")
+    name = b"echo"
+    body = (struct.pack("!Ii", 0x80010001, len(name)) + name + struct.pack("!i", 5)
+            + b"\x0b\x00\x01" + struct.pack("!i", size))
+    total = len(body) + size + 2
+    chunk = os.urandom(1 << 20)
+    sha = hashlib.sha256()
+    try:
+        with ProxyProcess(text, [port]) as p:
+            with socket.create_connection(("127.0.0.1", port)) as s:  # warm up: pools, imports
+                s.sendall(request_bytes("framed", "binary", "ping", seqid=1))
+                read_messages(s, 1, "framed", "binary")
+            base = proc_status(p.proc.pid, "VmRSS")
+            up.requests.clear()
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                head = struct.pack("!i", total) + body
+                s.sendall(head)
+                sha.update(head)
+                for _ in range(size >> 20):
+                    s.sendall(chunk)
+                    sha.update(chunk)
+                s.sendall(b"\x00\x00")
+                sha.update(b"\x00\x00")
+                (reply,) = read_messages(s, 1, "framed", "binary", timeout=60)
+            peak = proc_status(p.proc.pid, "VmHWM")
+    finally:
+        up.close()
+    assert reply.seqid == 5 and _reply_text(reply) == sha.hexdigest().encode()
+    growth_mib = (peak - base) / 1024
+    print(f"256 MiB request: proxy RSS {base / 1024:.1f} MiB before, peak {peak / 1024:.1f} MiB (+{growth_mib:.1f} MiB)")
+    assert growth_mib <= 32, f"peak RSS grew by {growth_mib:.1f} MiB"
+
+
+# -- the codec's part: pending_frame / detach_frame -----------------------------------------
+
+
+@pytest.mark.parametrize("first", [4, 20, 64, 70_000])
+@pytest.mark.parametrize("protocol", [Protocol.BINARY, Protocol.COMPACT, None])
+def test_pending_frame_reads_the_head_and_detach_hands_over_every_byte(first, protocol):
+    wire = Protocol.COMPACT if protocol is Protocol.COMPACT else Protocol.BINARY
+    req = request_bytes("framed", wire.value, "echo", os.urandom(200_000), seqid=12345)
+    dec = Decoder(Framing.FRAMED, protocol)
+    dec.feed(req[:first])
+    assert dec.next_message() is None
+    pending = dec.pending_frame()
+    if first < 20:
+        assert pending is None  # its head is not here yet
+        dec.feed(req[first:100])
+        assert dec.next_message() is None
+        pending = dec.pending_frame()
+        first = 100
+    head, total = pending
+    assert (head.name, head.type, head.seqid, head.protocol) == ("echo", MessageType.CALL, 12345, wire)
+    assert total == len(req)
+    dec.feed(req[first:first + 1000])  # more of it, still incomplete
+    assert dec.next_message() is None and dec.pending_frame()[1] == total
+    parts = dec.detach_frame()
+    assert b"".join(parts) == req[:first + 1000]
+    assert dec.buffered == 0 and dec.pending_frame() is None and dec.protocol is wire
+    nxt = request_bytes("framed", wire.value, "ping", seqid=7)
+    dec.feed(nxt)
+    assert dec.next_message().seqid == 7  # the decoder goes on with what follows
+
+
+def test_pending_frame_is_none_for_whole_or_refused_frames():
+    dec = Decoder(Framing.FRAMED, Protocol.BINARY, max_frame_size=1000)
+    dec.feed(_echo_request(5000, seqid=1)[:3000])  # over max_frame_size: next_message refuses it
+    assert dec.pending_frame() is None
+    dec = Decoder(Framing.BUFFERED, Protocol.BINARY)
+    dec.feed(request_bytes("buffered", "binary", "echo", b"x" * 5000)[:3000])
+    assert dec.next_message() is None and dec.pending_frame() is None  # unframed: read whole
