@@ -17,6 +17,8 @@ byte, so that hop overlaps `acquire` and `write_upstream`.
 
 from __future__ import annotations
 
+from time import monotonic_ns
+
 from proxy.upstream import Exchange
 
 # Outcomes of an attempt (and of a call: its last attempt's, or the proxy's own error).
@@ -98,10 +100,12 @@ class Upload:
     The listener owns `left` (bytes of the frame still to come from the client); the pipeline
     writes each piece onto the attempt's connection, or holds the pieces while the attempt
     waits for one. `paused`: the client's reading is held back for this upload (too much held,
-    or the upstream connection is not taking bytes).
+    or the upstream connection is not taking bytes); `held_ns` sums those times (the spans'
+    `sidecar.upload_held_ms`: how much of `read_request` was the upstream side's doing).
     """
 
-    __slots__ = ("client", "call", "total", "left", "held", "held_size", "paused", "timeout")
+    __slots__ = ("client", "call", "total", "left", "held", "held_size", "paused", "timeout", "held_ns",
+                 "_held_at")
 
     def __init__(self, client, total: int, left: int, held: list) -> None:
         self.client = client                # the ClientConnection it arrives on
@@ -112,6 +116,19 @@ class Upload:
         self.held_size = sum(map(len, held))
         self.paused = False
         self.timeout = 0.0                  # the route timeout, armed once the request is whole
+        self.held_ns = 0
+        self._held_at = 0
+
+    def hold(self, on: bool) -> None:
+        """Hold the client's reading back (on) or let it go on (off); the time is counted."""
+        if on == self.paused:
+            return
+        self.paused = on
+        if on:
+            self._held_at = monotonic_ns()
+        else:
+            self.held_ns += monotonic_ns() - self._held_at
+        self.client.hold_upload(on)
 
     @property
     def received(self) -> int:

@@ -20,6 +20,10 @@ The rules, in one place (the README repeats them):
   reader), else to `read_response` (the upstream sent it slowly, or neither side stalled and the
   size is the cost). The other hop keeps only its non-overlapping part. The same is done for any
   call whose two spans overlap, streamed or not.
+* **Streamed requests**: `read_request` runs while the attempt's `acquire` and `write_upstream`
+  do. Their overlap is counted once: in `read_request` (the client sent it slowly) unless the
+  proxy held the client back for at least half of it (`sidecar.upload_held_ms`: the upstream was
+  not taking bytes, or there was no connection yet), then in `acquire`/`write_upstream`.
 * **Table**: per group (`--by method`: the SERVER span's name; `--by endpoint`: the endpoint of
   the call's longest CLIENT attempt, i.e. where it spent its upstream time, so a retried call
   counts under the upstream that was slow; `--by client`: the SERVER span's
@@ -391,6 +395,17 @@ def _account(call: Call) -> None:
                      else (spans.READ_RESPONSE, spans.WRITE_RESPONSE))
         acc[other] = max(0, acc[other] - overlap)
         call.overlap, call.overlap_to = overlap, to
+    request = by_name[spans.READ_REQUEST]
+    if request and call.attempts:
+        ov_acquire = _overlap(request, by_name[spans.ACQUIRE])
+        ov_write = _overlap(request, by_name[spans.WRITE_UPSTREAM])
+        if ov_acquire or ov_write:
+            if 2 * _ms_to_ns(call.server.attrs.get(spans.UPLOAD_HELD_MS)) >= ov_acquire + ov_write:
+                acc[spans.READ_REQUEST] = max(0, acc[spans.READ_REQUEST] - ov_acquire - ov_write)
+            else:
+                for hop, ov in ((spans.ACQUIRE, ov_acquire), (spans.WRITE_UPSTREAM, ov_write)):
+                    if ov:
+                        acc[hop] = max(0, acc[hop] - ov)
     call.raw, call.accounted = dict(raw), acc
 
 

@@ -174,15 +174,12 @@ class Pipeline:
             if last:
                 conn.upload = None
                 a.t_written = monotonic_ns()
-                if up.paused:  # the upstream still has to take it all; the client may go on
-                    up.paused = False
-                    up.client.hold_upload(False)
+                up.hold(False)  # the upstream still has to take it all; the client may go on
         elif a is not None and not a.ended and call.reply is None and not call.cancelled:
             up.held.append(bytes(data))  # no connection yet
             up.held_size += len(data)
-            if up.held_size > UPLOAD_HOLD and not up.paused:
-                up.paused = True
-                up.client.hold_upload(True)
+            if up.held_size > UPLOAD_HOLD:
+                up.hold(True)
         if last and call.reply is None and not call.cancelled:
             call.t_framed = now
             self._upload_received(call)
@@ -315,9 +312,8 @@ class Pipeline:
         held = up.held
         up.held = []
         up.held_size = 0
-        if up.paused:  # too much was held: the client may go on now (before the write, which
-            up.paused = False  # may pause it again: the upstream not taking the bytes)
-            up.client.hold_upload(False)
+        up.hold(False)  # too much was held: the client may go on now (before the write, which
+                        # may hold it again: the upstream not taking the bytes)
         conn.upload = up if up.left else None
         conn.exchange(attempt, held[0] if len(held) == 1 else b"".join(held))
         if not up.left:
@@ -657,9 +653,7 @@ class Pipeline:
         up = call.upload
         if up is not None and up.left:  # answered before its request is all here: the rest is dropped
             up.held = []
-            if up.paused:
-                up.paused = False
-                up.client.hold_upload(False)
+            up.hold(False)
         call.conn.call_done(call)
 
     def _release_call(self, call: Call) -> None:

@@ -67,6 +67,7 @@ BREAKER_STATE = "sidecar.breaker_state"       # the endpoint's breaker when the 
 ENDPOINT = "sidecar.endpoint"                 # host:port of the attempt's upstream
 STREAMED = "sidecar.streamed"                 # the reply streamed (read_response overlaps write_response)
 REQUEST_STREAMED = "sidecar.request_streamed" # the request streamed (read_request overlaps write_upstream)
+UPLOAD_HELD_MS = "sidecar.upload_held_ms"     # time a streamed request's client was held back (upstream side)
 CLIENT_PAUSED_MS = "sidecar.client_paused_ms" # time the client side held a streamed reply back
 UPSTREAM_WAIT_MS = "sidecar.upstream_wait_ms" # time a streamed reply waited for upstream bytes
 HANDED_MS = "sidecar.handed_ms"               # write_response: when the kernel took the last byte (ms after start)

@@ -308,6 +308,7 @@ class Telemetry:
             a[spans.UPSTREAM_WAIT_MS] = _ms(call.upstream_wait_ns)
         if call.upload is not None:
             a[spans.REQUEST_STREAMED] = True
+            a[spans.UPLOAD_HELD_MS] = _ms(call.upload.held_ns)
         if call.loop_lag_ns:
             a[spans.LOOP_LAG_MS] = _ms(call.loop_lag_ns)
         error = None

@@ -341,16 +341,12 @@ class UpstreamConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         """The upstream is not taking a streaming request's bytes: the client waits too."""
-        up = self.upload
-        if up is not None and not up.paused:
-            up.paused = True
-            up.client.hold_upload(True)
+        if self.upload is not None:
+            self.upload.hold(True)
 
     def resume_writing(self) -> None:
-        up = self.upload
-        if up is not None and up.paused:
-            up.paused = False
-            up.client.hold_upload(False)
+        if self.upload is not None:
+            self.upload.hold(False)
 
     def connection_lost(self, exc) -> None:
         if not self.closed:

@@ -308,6 +308,45 @@ def test_streamed_overlap_is_counted_once(tmp_path):
     assert call.accounted[spans.WRITE_RESPONSE] == ms(40) + ms(0.06) - ms(0.06)
 
 
+def test_streamed_request_overlap_is_counted_once(tmp_path):
+    """A request streamed upstream as it arrived: read_request (the client sending) runs over
+    the attempt's acquire and write_upstream. Who was slow decides where the overlap counts."""
+    from proxy.calls import Upload
+
+    def streamed(held_ms: float) -> Call:
+        c = build(0, read_request=400.0, attempts=[{"acquire": 1.0, "write": 1.0, "service": 5.0}])
+        a = c.attempts[0]
+        a.t_acquire = c.t_start + ms(0.1)  # routed from its head, at once
+        a.t_acquired = a.t_acquire + ms(1.0)
+        a.t_written = c.t_framed + ms(0.05)  # the last piece written as it came
+        a.t_first_reply = a.t_written + ms(5.0)
+        a.t_reply = a.t_first_reply + ms(0.2)
+        c.t_done = a.t_reply + ms(0.02)
+        c.t_write = c.t_done + ms(0.005)
+        c.t_handed = c.t_write + ms(0.01)
+        c.t_acked = c.t_write + ms(0.3)
+        c.upload = Upload(None, 6_000_000, 0, [])
+        c.upload.held_ns = ms(held_ms)
+        return c
+
+    ov_acquire = ms(1.0)
+    ov_write = (ms(400.0) - ms(1.1))  # from t_acquired to t_framed
+    # the client sent slowly: the overlap stays in read_request
+    (call,) = rebuild_calls(load_jsonl(write_span_file(tmp_path / "slow_client.jsonl", [streamed(0.0)])))
+    assert call.server.attrs[spans.REQUEST_STREAMED] is True
+    assert call.accounted[spans.READ_REQUEST] == call.raw[spans.READ_REQUEST] == ms(400.0)
+    assert call.accounted[spans.ACQUIRE] == 0
+    assert call.accounted[spans.WRITE_UPSTREAM] == call.raw[spans.WRITE_UPSTREAM] - ov_write == ms(0.05)
+    assert sum(call.accounted.values()) <= call.total
+    # the proxy held the client back most of that time (the upstream was not taking bytes)
+    (call,) = rebuild_calls(load_jsonl(write_span_file(tmp_path / "slow_upstream.jsonl", [streamed(390.0)])))
+    assert call.accounted[spans.READ_REQUEST] == ms(400.0) - ov_acquire - ov_write
+    assert call.accounted[spans.WRITE_UPSTREAM] == call.raw[spans.WRITE_UPSTREAM]
+    assert sum(call.accounted.values()) <= call.total
+    r = hops("--spans", tmp_path / "slow_upstream.jsonl")
+    assert verdict_of(r.stdout).startswith("verdict: write_upstream is "), r.stdout
+
+
 def test_by_endpoint_names_the_slow_upstream(tmp_path):
     calls = one_slow_endpoint()
     path = write_span_file(tmp_path / "spans.jsonl", calls)
