@@ -39,6 +39,28 @@ def test_go_basic_through_proxy(go_client, transport, protocol, multiplex):
     assert {"ping", "roundtrip", "lookup(missing)", "lookup(down)"} <= calls, detail
 
 
+@pytest.mark.parametrize("protocol", ["binary", "compact"])
+def test_go_large_request_streams_through_proxy(go_client, protocol):
+    """A 6 MB echo from the Go client: over retry_buffer, so its request streams upstream as it
+    arrives (the Go framed transport's own write pattern), and comes back intact."""
+    up = ThriftServer("framed", protocol)
+    try:
+        with Proxy(config_text([up.address], transport="framed", protocol=protocol)) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            rc, lines, detail = run_go(go_client, p.port(), "framed", protocol, "basic", "-echo-size", "6000000")
+            deadline = time.monotonic() + 5
+            while not any(c.msg.name == "echo" for c in done) and time.monotonic() < deadline:
+                time.sleep(0.01)
+    finally:
+        up.stop()
+    assert rc == 0, detail
+    assert lines and all(line["ok"] for line in lines), detail
+    assert {line["call"]: line for line in lines}["echo"]["result"] == 6_000_000
+    (echo,) = [c for c in done if c.msg.name == "echo"]
+    assert echo.upload is not None and echo.request_size > 6_000_000, detail
+
+
 @pytest.mark.parametrize("transport,protocol", WIRE)
 def test_go_oneway_sent_as_call_then_call_on_same_connection(go_client, transport, protocol):
     up = ThriftServer(transport, protocol)

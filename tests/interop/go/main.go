@@ -59,7 +59,7 @@ import (
 type options struct {
 	addr, transport, protocol, scenario string
 	multiplex                           bool
-	count                               int
+	count, echoSize                     int
 	timeout                             time.Duration
 }
 
@@ -317,7 +317,7 @@ func (r *runner) basic() {
 	})
 
 	r.do("echo", "", func(ctx context.Context) (any, error) {
-		payload := make([]byte, 100*1024)
+		payload := make([]byte, r.o.echoSize)
 		for i := range payload {
 			payload[i] = byte(i*31 + 7)
 		}
@@ -520,6 +520,7 @@ func main() {
 	flag.StringVar(&o.scenario, "scenario", "basic", "basic|oneway_then_call|ping_loop|errors")
 	flag.BoolVar(&o.multiplex, "multiplex", false, `use TMultiplexedProtocol ("TestService", "AdminService")`)
 	flag.IntVar(&o.count, "count", 10, "pings for -scenario ping_loop")
+	flag.IntVar(&o.echoSize, "echo-size", 100*1024, "bytes echoed by -scenario basic")
 	flag.DurationVar(&o.timeout, "timeout", 10*time.Second, "connect timeout and per-call/socket timeout")
 	flag.Parse()
 
@@ -547,6 +548,9 @@ func main() {
 	scenario, ok := scenarios[o.scenario]
 	if !ok {
 		usage("bad -scenario %q", o.scenario)
+	}
+	if o.echoSize < 0 {
+		usage("bad -echo-size %d", o.echoSize)
 	}
 	if o.count < 0 {
 		usage("bad -count %d", o.count)
