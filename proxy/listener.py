@@ -25,7 +25,7 @@ from time import monotonic_ns
 from proxy.codec import Decoder, Framing, Head, MessageType, Protocol, ProtocolError, exception_reply
 from proxy.codec import AppErrorType
 from proxy.codec.wire import F_FRAMED, M_CALL, M_ONEWAY
-from proxy.calls import TIMEOUT, Call, Upload
+from proxy.calls import NOT_SENT, TIMEOUT, Call, Upload
 from proxy.pipeline import PREFIX
 from proxy.sockets import set_nodelay, unsent_bytes
 
@@ -173,7 +173,7 @@ class ClientConnection(asyncio.Protocol):
         if self.closing:
             return
         limit = self.state.settings.max_inflight
-        if len(self.queue) >= limit:
+        if len(self.queue) >= limit and self.upload is None:  # (an upload's bytes are its counted call's)
             if self._read_timer is not None:  # bytes we hold back are not the client's delay
                 self._read_timer.cancel()
                 self._read_timer = None
@@ -489,6 +489,8 @@ class ClientConnection(asyncio.Protocol):
                 and len(self.queue) < self.state.settings.max_inflight):
             self.paused_reading = False
             self.transport.resume_reading()
+            if self.upload is not None and self._read_timer is None:
+                self._arm_read_timer(self.t_first)
             if self.decoder.buffered and not self._framing:  # requests held back at max_inflight
                 now = monotonic_ns()
                 if self._read_timer is None:
@@ -608,11 +610,14 @@ class ClientConnection(asyncio.Protocol):
         timeout = self.state.settings.request_read_timeout
         if up is not None:
             self.closing = True
-            if self._upload_held and up.call.attempt is not None and up.call.attempt.upconn is not None:
-                label = up.call.attempt.endpoint.label
-                self._upload_broken(
-                    f"may have run: {label} took no more of the request within request_read_timeout "
-                    f"{timeout:g}s ({up.received} of {up.total} bytes received)", TIMEOUT)
+            a = up.call.attempt
+            got = f"({up.received} of {up.total} bytes received)"
+            if self._upload_held and a is not None and a.upconn is not None:
+                self._upload_broken(f"may have run: {a.endpoint.label} took no more of the request within "
+                                    f"request_read_timeout {timeout:g}s {got}", TIMEOUT)
+            elif self._upload_held and a is not None:
+                self._upload_broken(f"not sent: no connection to {a.endpoint.label} within "
+                                    f"request_read_timeout {timeout:g}s {got}", NOT_SENT)
             else:
                 self._upload_broken(f"bad request: request not complete within request_read_timeout "
                                     f"{timeout:g}s ({up.received} of {up.total} bytes received)")

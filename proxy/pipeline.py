@@ -151,10 +151,12 @@ class Pipeline:
         never be retried anyway) and goes out as it came in (framed, not renamed, a CALL that
         is answered); also when no route takes it (answered at once, the rest read and
         dropped). Otherwise it is read whole first, as any request."""
+        if msg.type != M_CALL:
+            return False
         route = self.router.route(msg)
         if route is None:
             return True
-        if (msg.type != M_CALL or route.strip_service
+        if (route.strip_service
                 or (self.oneway_methods and (msg.name in self.oneway_methods or msg.method in self.oneway_methods))):
             return False
         s = route.settings
@@ -204,7 +206,7 @@ class Pipeline:
         """The request stopped short (the client closed, or it did not arrive in time): the
         attempt stops (its connection, holding part of a request, is discarded) and the client
         hears `text`, unless the call was answered already."""
-        if call.reply is not None or call.cancelled:
+        if call.reply is not None or call.cancelled or call.t_done:
             return
         a = call.attempt
         if a is not None and not a.ended:
@@ -342,7 +344,7 @@ class Pipeline:
 
     def attempt_replied(self, attempt: Attempt, reply: Message) -> None:
         self._off_connection(attempt)
-        if attempt.call.cluster.tracks_latency:  # only peak_ewma reads it
+        if attempt.call.cluster.tracks_latency and attempt.t_written:  # only peak_ewma reads it
             attempt.endpoint.ewma.observe((attempt.t_reply - attempt.t_written) / 1e9)
         attempt.reply_size = len(reply.data)
         call = attempt.call
@@ -420,7 +422,7 @@ class Pipeline:
 
     def stream_end(self, attempt: Attempt) -> None:
         self._off_connection(attempt)
-        if attempt.call.cluster.tracks_latency:  # only peak_ewma reads it
+        if attempt.call.cluster.tracks_latency and attempt.t_written:  # only peak_ewma reads it
             attempt.endpoint.ewma.observe((attempt.t_first_reply - attempt.t_written) / 1e9)
         call = attempt.call
         attempt.reply_size = call.reply_size
@@ -651,7 +653,7 @@ class Pipeline:
         call.reply = data
         self._release_call(call)
         up = call.upload
-        if up is not None and up.left:  # answered before its request is all here: the rest is dropped
+        if up is not None:  # (answered before its request is all here: the rest is dropped)
             up.held = []
             up.hold(False)
         call.conn.call_done(call)

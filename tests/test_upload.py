@@ -53,11 +53,12 @@ class RecordingUpstream(RawUpstream):
     connection closes once it has read that many bytes. `early`: the first connection replies as
     soon as it has a request's head, before the rest arrives."""
 
-    def __init__(self, cut_after: int = 0, early: bool = False) -> None:
+    def __init__(self, cut_after: int = 0, early: bool = False, silent: tuple = ()) -> None:
         self.received = 0
         self.requests: list[bytes] = []
         self.cut_after = cut_after
         self.early = early
+        self.silent = {name.encode() for name in silent}  # methods never answered
         self.closed_by_peer = threading.Event()
         super().__init__()
 
@@ -93,6 +94,8 @@ class RecordingUpstream(RawUpstream):
                     answered = False
                     continue
                 name, _, seqid, _ = read_head(frame, 4, len(frame), Protocol.BINARY)
+                if name.encode() in self.silent:
+                    continue
                 c.sendall(reply_bytes(name.encode(), seqid, hashlib.sha256(frame).hexdigest().encode()))
 
 
@@ -315,6 +318,142 @@ def test_request_stopping_short_is_answered_with_its_seqid():
             assert up.closed_by_peer.wait(5)
     finally:
         up.close()
+
+
+# -- regressions found in review ----------------------------------------------------------
+
+
+def test_client_held_while_waiting_for_a_connection_is_let_go_when_the_call_fails():
+    """The request arrives whole (more than the proxy holds without a connection) while the
+    attempt waits for one; the wait fails. The client hears why and its connection goes on."""
+    up = RecordingUpstream(silent=("sleep",))
+    text = _config(up.address, cluster="\n    pool: {max_connections: 1, acquire_timeout: 300ms}")
+    big = _echo_request((1 << 20) + 20, seqid=5)  # held past UPLOAD_HOLD only by its last read
+    try:
+        with Proxy(text) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as busy:
+                busy.sendall(request_bytes("framed", "binary", "sleep", 5000, seqid=1))
+                wait_for(lambda: up.requests, 5, "the pool's one connection busy")
+                with socket.create_connection(("127.0.0.1", p.port())) as s:
+                    s.sendall(big[:100_000])
+                    time.sleep(0.05)
+                    s.sendall(big[100_000:])
+                    (err,) = read_messages(s, 1, "framed", "binary")
+                    s.sendall(request_bytes("framed", "binary", "ping", seqid=6))
+                    (after,) = read_messages(s, 1, "framed", "binary")  # read again: not left paused
+    finally:
+        up.close()
+    kind, text = _exception(err)
+    assert err.seqid == 5 and "not sent: " in text and "acquire_timeout 300ms" in text
+    assert after.seqid == 6
+
+
+def test_read_timeout_while_the_proxy_holds_the_client_blames_the_wait_for_a_connection():
+    up = RecordingUpstream(silent=("sleep",))
+    text = _config(up.address, cluster="\n    pool: {max_connections: 1, acquire_timeout: 5s}",
+                   listener="\n    request_read_timeout: 300ms")
+    big = _echo_request(3_000_000, seqid=12)
+    try:
+        with Proxy(text) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as busy:
+                busy.sendall(request_bytes("framed", "binary", "sleep", 5000, seqid=1))
+                wait_for(lambda: up.requests, 5, "the pool's one connection busy")
+                with socket.create_connection(("127.0.0.1", p.port())) as s:
+                    s.sendall(big[:1_500_000])  # held (no connection) past UPLOAD_HOLD: reading paused
+                    (err,) = read_messages(s, 1, "framed", "binary")
+    finally:
+        up.close()
+    kind, text = _exception(err)
+    assert err.seqid == 12 and kind == AppErrorType.INTERNAL_ERROR
+    assert text.startswith("thrift-sidecar: not sent: no connection to 127.0.0.1:"), text
+    assert "within request_read_timeout 0.3s" in text
+
+
+def test_upload_keeps_its_read_deadline_at_max_inflight():
+    """The streaming request is the call that fills max_inflight: reading is not paused under it
+    (its bytes are its own counted call's), and a client that stalls mid-request is answered."""
+    import dataclasses
+
+    up = RecordingUpstream(silent=("sleep",))
+    text = _config(up.address, route="        timeout: 1s\n", listener="\n    request_read_timeout: 300ms")
+    big = _echo_request(4_000_000, seqid=500)
+    try:
+        with Proxy(text) as p:
+            state = p.server.listeners["test"]
+            state.settings = dataclasses.replace(state.settings, max_inflight=2)
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(request_bytes("framed", "binary", "sleep", 1, seqid=1) + big[:200_000])
+                t0 = time.monotonic()
+                first, second = read_messages(s, 2, "framed", "binary", timeout=10)
+                took = time.monotonic() - t0
+    finally:
+        up.close()
+    assert (first.seqid, second.seqid) == (1, 500)
+    assert "route timeout 1000ms" in _exception(first)[1]
+    assert "request not complete within request_read_timeout 0.3s (200000 of" in _exception(second)[1]
+    assert took < 5
+
+
+def test_early_reply_leaves_peak_ewma_sane():
+    """A reply before the request was all written has no write time: it is not a latency sample."""
+    up = RecordingUpstream(early=True)
+    big = _echo_request(4_000_000, seqid=3)
+    try:
+        with Proxy(config_text([up.address], lb="peak_ewma")) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(big[:500_000])
+                (early,) = read_messages(s, 1, "framed", "binary")
+            ep = p.server.clusters["up"].endpoints[0]
+            estimate = p.call(ep.ewma.estimate)
+    finally:
+        up.close()
+    assert early.seqid == 3
+    assert estimate < 1.0, f"latency estimate {estimate:.1f} s after one early reply"
+
+
+def test_request_whose_head_is_cut_by_its_first_read_still_streams():
+    """A first read of 70 bytes, a method name of 100: the head spans two reads."""
+    up = RecordingUpstream()
+    req = request_bytes("framed", "binary", "echo", os.urandom(6_000_000), seqid=41, service="S" * 95)
+    try:
+        with Proxy(_config(up.address)) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(req[:70])
+                time.sleep(0.1)
+                s.sendall(req[70:3_000_000])
+                wait_for(lambda: up.received >= 2_000_000, 5, "the first half upstream")
+                s.sendall(req[3_000_000:])
+                (reply,) = read_messages(s, 1, "framed", "binary")
+    finally:
+        up.close()
+    assert reply.seqid == 41 and up.requests == [req]
+
+
+def test_large_oneway_with_no_route_is_read_whole_and_recorded_once():
+    """Only CALLs stream: a large oneway (nothing is ever written back) is read whole as before,
+    so one cut short is recorded not at all, and a whole one exactly once."""
+    up = RecordingUpstream()
+    text = _config(up.address).replace("      - cluster: up\n", "      - match: {method: ping}\n        cluster: up\n")
+    big = request_bytes("framed", "binary", "log_event", "x" * 3_000_000, seqid=9)
+    try:
+        with Proxy(text) as p:
+            done = _calls(p)
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(big[:1_000_000])
+                s.shutdown(socket.SHUT_WR)
+                s.settimeout(5)
+                assert s.recv(100) == b""
+            time.sleep(0.2)
+            assert done == []
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(big + request_bytes("framed", "binary", "ping", seqid=10))
+                (ok,) = read_messages(s, 1, "framed", "binary")
+            wait_for(lambda: len(done) == 2, 5, "two calls recorded")
+    finally:
+        up.close()
+    assert ok.seqid == 10
+    (oneway,) = [c for c in done if c.msg.name == "log_event"]
+    assert oneway.upload is None and oneway.outcome == "no_route"
 
 
 class StalledUpstream(RawUpstream):

@@ -241,7 +241,8 @@ class Decoder:
         if self.framing is not F_FRAMED:
             return None
         if self._parts is not None:
-            buf, off, total = self._parts[0], 0, self._parts_need
+            parts = self._parts  # its head may be cut by a read: then over the reads so far
+            buf, off, total = parts[0] if len(parts) == 1 else b"".join(parts), 0, self._parts_need
         else:
             if self._whole is not None:
                 buf, off = self._whole, 0
