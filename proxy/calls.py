@@ -84,7 +84,7 @@ class Call:
     @property
     def request_size(self) -> int:
         if self.upload is not None:
-            return self.upload.total
+            return self.upload.size
         return len(self.msg.data) if self.msg is not None else 0
 
     def __repr__(self) -> str:
@@ -97,23 +97,26 @@ class Upload:
     """A request larger than its route's `retry_buffer`, passed upstream as it arrives
     (DESIGN.md: such requests stream and are never retried).
 
-    The listener owns `left` (bytes of the frame still to come from the client); the pipeline
-    writes each piece onto the attempt's connection, or holds the pieces while the attempt
-    waits for one. `paused`: the client's reading is held back for this upload (too much held,
+    The listener reads it: `received` bytes so far, `done` once its last byte came, `total` its
+    whole size (a frame's is known from its length; an unframed request's only at its end, which
+    `tail`, a `proxy.codec.stream.UnframedStream`, finds). The pipeline writes each piece onto the
+    attempt's connection, or holds the pieces while the attempt waits for one. `paused`: the client's reading is held back for this upload (too much held,
     or the upstream connection is not taking bytes); `held_ns` sums those times (the spans'
     `sidecar.upload_held_ms`: how much of `read_request` was the upstream side's doing).
     """
 
-    __slots__ = ("client", "call", "total", "left", "held", "held_size", "paused", "timeout", "held_ns",
-                 "_held_at")
+    __slots__ = ("client", "call", "total", "received", "done", "tail", "held", "held_size", "paused",
+                 "timeout", "held_ns", "_held_at")
 
-    def __init__(self, client, total: int, left: int, held: list) -> None:
+    def __init__(self, client, total: int | None, held: list, tail=None) -> None:
         self.client = client                # the ClientConnection it arrives on
         self.call: Call | None = None       # set by the pipeline
-        self.total = total                  # the whole frame, length prefix included
-        self.left = left
+        self.total = total                  # the whole request (a frame's length prefix included)
+        self.tail = tail                    # finds an unframed request's end (total None till then)
         self.held = held                    # pieces not written yet (no connection yet)
         self.held_size = sum(map(len, held))
+        self.received = self.held_size
+        self.done = False
         self.paused = False
         self.timeout = 0.0                  # the route timeout, armed once the request is whole
         self.held_ns = 0
@@ -131,8 +134,13 @@ class Upload:
         self.client.hold_upload(on)
 
     @property
-    def received(self) -> int:
-        return self.total - self.left
+    def size(self) -> int:
+        return self.total if self.total is not None else self.received
+
+    def progress(self) -> str:
+        if self.total is None:
+            return f"{self.received} bytes received"
+        return f"{self.received} of {self.total} bytes received"
 
 
 class Attempt(Exchange):

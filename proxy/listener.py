@@ -24,7 +24,8 @@ from time import monotonic_ns
 
 from proxy.codec import Decoder, Framing, Head, MessageType, Protocol, ProtocolError, exception_reply
 from proxy.codec import AppErrorType
-from proxy.codec.wire import F_FRAMED, M_CALL, M_ONEWAY
+from proxy.codec.message import Message
+from proxy.codec.wire import F_BUFFERED, F_FRAMED, M_CALL, M_ONEWAY
 from proxy.calls import NOT_SENT, TIMEOUT, Call, Upload
 from proxy.pipeline import PREFIX
 from proxy.sockets import set_nodelay, unsent_bytes
@@ -35,6 +36,8 @@ LINGER = 2.0  # seconds a closing connection keeps reading (and discarding) so i
 ACK_POLL_FIRST = 0.001  # then doubling, up to ACK_POLL_MAX, while a reply is not acknowledged
 ACK_POLL_MAX = 0.01
 ACK_CAP_NS = 60_000_000_000  # a client that has not acknowledged a reply after this never read it
+UNDECIDED, NEVER = -2, -1    # ClientConnection._upload_at before a request's head is looked at / never
+UNFRAMED_UPLOAD_MIN = 64 * 1024  # an unframed request is not looked at for streaming below this
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +74,7 @@ class ClientConnection(asyncio.Protocol):
                  "closing", "paused_reading", "paused_writing", "_read_timer", "_idle_timer",
                  "_last_active", "_linger", "fd", "bytes_out", "_unacked", "_ack_poll", "_ack_delay",
                  "stream_call", "stream_up", "_paused_at", "_framing", "_eof", "_stall_timer",
-                 "_stall_mark", "upload", "_frame_checked", "_upload_held")
+                 "_stall_mark", "upload", "_upload_at", "_upload_held")
 
     def __init__(self, state: ListenerState) -> None:
         self.state = state
@@ -101,7 +104,7 @@ class ClientConnection(asyncio.Protocol):
         self._stall_timer = None               # armed while writing is paused
         self._stall_mark = 0                   # bytes the client had read when it was armed
         self.upload: Upload | None = None      # a large request passing upstream as it arrives
-        self._frame_checked = False            # the incomplete frame in the decoder is read whole
+        self._upload_at = UNDECIDED            # bytes past which the request arriving streams
         self._upload_held = False              # reading paused for the upload (calls.Upload.paused)
 
     # -- asyncio.Protocol -----------------------------------------------------
@@ -202,10 +205,11 @@ class ClientConnection(asyncio.Protocol):
                     return
                 continue  # the bad frame was consumed (INVALID_TRANSFORM): requests behind it go on
             if msg is None:
-                if dec.buffered and not self._frame_checked and dec.framing is F_FRAMED:
+                if dec.buffered and self._upload_at != NEVER and (dec.framing is F_FRAMED
+                                                                  or dec.framing is F_BUFFERED):
                     self._maybe_upload(dec, pipeline, now)
                 break
-            self._frame_checked = False
+            self._upload_at = UNDECIDED
             t_start = self.t_first
             self.t_first = now
             if msg.type != M_CALL and msg.type != M_ONEWAY:
@@ -218,34 +222,68 @@ class ClientConnection(asyncio.Protocol):
     # -- a large request streams in -----------------------------------------------------
 
     def _maybe_upload(self, dec: Decoder, pipeline, now: int) -> None:
-        """An incomplete framed request whose head is here: pass it upstream as it arrives
-        (`Pipeline.streams` decides), or leave it to be read whole (decided once per frame)."""
-        pending = dec.pending_frame()
-        if pending is None:
-            return  # its head is not here yet
-        self._frame_checked = True
-        msg, total = pending
-        if not pipeline.streams(msg, total):
+        """A request still arriving, its head here: pass it upstream as it arrives once it is
+        over `Pipeline.upload_threshold` (a frame's size is known at once; an unframed one's
+        only grows), else leave it to be read whole."""
+        if dec.framing is F_FRAMED:
+            pending = dec.pending_frame()
+            if pending is None:
+                return  # its head is not here yet
+            msg, total = pending
+            size = total
+        else:
+            if dec.buffered < UNFRAMED_UPLOAD_MIN or dec.buffered <= self._upload_at:
+                return  # (not yet over its route's threshold)
+            try:
+                head = dec.unframed_head()
+            except ProtocolError:
+                return  # read on: the decoder reports it
+            if head is None:
+                return
+            msg = Message(head[0], head[1], head[2], dec.framing, dec.protocol, b"", 0, None, b"", 0)
+            total = None
+            size = dec.buffered
+        at = self._upload_at
+        if at == UNDECIDED:
+            at = pipeline.upload_threshold(msg)
+            at = self._upload_at = NEVER if at is None else at
+        if size <= at or at == NEVER:
+            if total is not None:
+                self._upload_at = NEVER  # a frame's size does not grow: read it whole
             return
-        self._frame_checked = False
-        parts = dec.detach_frame()
-        up = Upload(self, total, 0, parts)
-        up.left = total - up.held_size
+        self._upload_at = UNDECIDED
+        if total is not None:
+            up = Upload(self, total, dec.detach_frame())
+        else:
+            buf, tail = dec.detach_unframed()
+            up = Upload(self, None, [buf], tail)
         self.upload = up
         pipeline.handle(self, msg, self.t_first, now, up)
 
     def _upload_more(self, data: bytes):
         """The next read while a request streams: its part goes on; returns what follows it."""
         up = self.upload
-        left = up.left
         n = len(data)
         call = up.call
+        tail = up.tail
+        if tail is None:
+            left = up.total - up.received
+        else:
+            try:
+                left = tail.feed(data)  # the bytes of it in this read (all, until its end)
+            except ProtocolError as e:
+                self._upload_garbage(e)
+                return None
+            if not tail.done:
+                left = n + 1
         if n < left:
-            up.left = left - n
+            up.received += n
             call.pipeline.upload_data(call, data, False)
             return None
         self.upload = None
-        up.left = 0
+        up.received += left
+        up.total = up.received
+        up.done = True
         call.pipeline.upload_data(call, data if n == left else memoryview(data)[:left], True)
         if n == left:
             if self._read_timer is not None:
@@ -264,6 +302,19 @@ class ClientConnection(asyncio.Protocol):
                 self.transport.pause_reading()
         else:
             self._maybe_resume()
+
+    def _upload_garbage(self, e: ProtocolError) -> None:
+        """An unframed request that turned out malformed mid-stream: answered, then closed
+        (where the next request would begin cannot be known)."""
+        self.state.stats["protocol_errors"] += 1
+        log.info("client %s on listener %s: %s", self.peer, self.state.settings.name, e.message)
+        self.closing = True
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+        self._upload_broken(e.message)
+        if not self.queue:
+            self._close_after_replies()
 
     def _upload_broken(self, text: str, outcome=None) -> None:
         """The streaming request will not be finished: its call is answered with `text`."""
@@ -286,8 +337,7 @@ class ClientConnection(asyncio.Protocol):
         up = self.upload
         if up is not None:
             self.closing = True  # answer it (the client half-closed), then close
-            self._upload_broken(f"bad request: connection closed inside a request "
-                                f"({up.received} of {up.total} bytes received)")
+            self._upload_broken(f"bad request: connection closed inside a request ({up.progress()})")
             if not self.queue:
                 self._close_after_replies()
                 return False
@@ -611,7 +661,7 @@ class ClientConnection(asyncio.Protocol):
         if up is not None:
             self.closing = True
             a = up.call.attempt
-            got = f"({up.received} of {up.total} bytes received)"
+            got = f"({up.progress()})"
             if self._upload_held and a is not None and a.upconn is not None:
                 self._upload_broken(f"may have run: {a.endpoint.label} took no more of the request within "
                                     f"request_read_timeout {timeout:g}s {got}", TIMEOUT)
@@ -620,7 +670,7 @@ class ClientConnection(asyncio.Protocol):
                                     f"request_read_timeout {timeout:g}s {got}", NOT_SENT)
             else:
                 self._upload_broken(f"bad request: request not complete within request_read_timeout "
-                                    f"{timeout:g}s ({up.received} of {up.total} bytes received)")
+                                    f"{timeout:g}s {got}")
             if not self.queue:
                 self._close_after_replies()
             return

@@ -17,7 +17,7 @@
       9. answer      reply bytes re-framed for the client, queued in request order
 
 A framed request over its route's `retry_buffer` that does not come in one read is
-handled from its head instead (`streams`): steps 1-4 run at once, and its bytes go
+handled from its head instead (`upload_threshold`): steps 1-4 run at once, and its bytes go
 upstream as they arrive (`upload_data`); it is never retried (DESIGN.md).
 
 Everything here runs in protocol callbacks and timer handles: no task per
@@ -39,7 +39,7 @@ from proxy.calls import Attempt, Call, Upload
 from proxy.codec.rename import strip_service
 from proxy.codec import (AppErrorType, Message, MessageType, Protocol, ProtocolError, exception_reply,
                          reframe)
-from proxy.codec.wire import F_FRAMED, F_FRAMED_HEADER, F_HEADER, M_CALL, M_EXCEPTION, M_ONEWAY
+from proxy.codec.wire import F_FRAMED_HEADER, F_HEADER, M_CALL, M_EXCEPTION, M_ONEWAY
 from proxy.retry import RetryPolicy
 from proxy.upstream import UpstreamError
 
@@ -145,24 +145,24 @@ class Pipeline:
 
     # 1b: a large request streams in --------------------------------------------------
 
-    def streams(self, msg: Message, total: int) -> bool:
-        """Should this framed request, `total` bytes of which only the head is here yet, pass
-        upstream as it arrives? Yes when it is over its route's `retry_buffer` (so it could
-        never be retried anyway) and goes out as it came in (framed, not renamed, a CALL that
-        is answered); also when no route takes it (answered at once, the rest read and
-        dropped). Otherwise it is read whole first, as any request."""
+    def upload_threshold(self, msg: Message) -> int | None:
+        """A request still arriving, of which only the head is here: past how many bytes does
+        it pass upstream as it arrives? Its route's `retry_buffer` (over it, it could never be
+        retried anyway), when it goes out as it came in (same framing, not renamed, a CALL that
+        is answered); 0 when no route takes it (answered at once, the rest read and dropped);
+        None: never (it is read whole first, as any request)."""
         if msg.type != M_CALL:
-            return False
+            return None
         route = self.router.route(msg)
         if route is None:
-            return True
+            return 0
         if (route.strip_service
                 or (self.oneway_methods and (msg.name in self.oneway_methods or msg.method in self.oneway_methods))):
-            return False
+            return None
+        if not all(c.framing is None or c.framing is msg.framing for c in route.clusters):
+            return None
         s = route.settings
-        if total <= (s.retry_buffer if s is not None else DEFAULT_RETRY_BUFFER):
-            return False
-        return all(c.framing is None or c.framing is F_FRAMED for c in route.clusters)
+        return s.retry_buffer if s is not None else DEFAULT_RETRY_BUFFER
 
     def upload_data(self, call: Call, data, last: bool) -> None:
         """The next piece of a streaming request (`last`: its end): written to the attempt's
@@ -247,7 +247,7 @@ class Pipeline:
                 attempt.probe = breaker.on_pick()
         settings = call.route.settings
         per_try = settings.retry.per_try_timeout if settings is not None else 0.0
-        if per_try > 0 and not call.oneway and (call.upload is None or not call.upload.left):
+        if per_try > 0 and not call.oneway and (call.upload is None or call.upload.done):
             at = self.loop.time() + per_try
             if call.deadline and call.deadline < at:
                 at = call.deadline + 0.001  # the route deadline fires first
@@ -316,9 +316,9 @@ class Pipeline:
         up.held_size = 0
         up.hold(False)  # too much was held: the client may go on now (before the write, which
                         # may hold it again: the upstream not taking the bytes)
-        conn.upload = up if up.left else None
+        conn.upload = None if up.done else up
         conn.exchange(attempt, held[0] if len(held) == 1 else b"".join(held))
-        if not up.left:
+        if up.done:
             attempt.t_written = monotonic_ns()
 
     def _request_bytes(self, call: Call, attempt: Attempt, framing) -> bytes:
@@ -401,7 +401,7 @@ class Pipeline:
         call = attempt.call
         if (call.cancelled or attempt is not call.attempt or call.oneway
                 or head.framing is not call.msg.framing or not call.conn.can_stream(call)
-                or (call.upload is not None and call.upload.left)):
+                or (call.upload is not None and not call.upload.done)):
             # read it whole: it is re-framed, or replies ahead of it are pending, or it came
             # before the whole request was written (that connection is then discarded)
             return False

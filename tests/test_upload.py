@@ -456,6 +456,128 @@ def test_large_oneway_with_no_route_is_read_whole_and_recorded_once():
     assert oneway.upload is None and oneway.outcome == "no_route"
 
 
+# -- unframed (buffered) requests stream too ------------------------------------------------
+# An unframed request has no length: it streams once more than its route's retry_buffer of it
+# came without its end, which is then found by scanning each read as it passes.
+
+
+class BufferedRecordingUpstream(RawUpstream):
+    """`RecordingUpstream` for unframed binary requests (found with the proxy's own decoder)."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self.requests: list[bytes] = []
+        self.closed_by_peer = threading.Event()
+        super().__init__()
+
+    def _one(self, c: socket.socket) -> None:
+        dec = Decoder(Framing.BUFFERED, Protocol.BINARY, 1 << 30)
+        while True:
+            msg = dec.next_message()
+            if msg is None:
+                try:
+                    data = c.recv(1 << 20)
+                except OSError:
+                    return
+                if not data:
+                    self.closed_by_peer.set()
+                    return
+                self.received += len(data)
+                dec.feed(data)
+                continue
+            frame = bytes(msg.data)
+            self.requests.append(frame)
+            sha = hashlib.sha256(frame).hexdigest().encode()
+            c.sendall(reply_bytes(msg.name.encode(), msg.seqid, sha)[4:])  # unframed
+
+
+def _buffered(upstream: str, route: str = "") -> str:
+    return _config(upstream, route=route).replace("    transport: framed\n", "    transport: buffered\n")
+
+
+def test_large_buffered_request_streams_before_the_client_has_sent_it_all():
+    up = BufferedRecordingUpstream()
+    req = request_bytes("buffered", "binary", "echo", os.urandom(6_000_000), seqid=43)
+    small = request_bytes("buffered", "binary", "ping", seqid=44)
+    try:
+        with Proxy(_buffered(up.address)) as p:
+            done = _calls(p)
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(req[:3_000_000])
+                wait_for(lambda: up.received >= 2_500_000, 5, "the first half upstream")
+                assert not up.requests
+                s.sendall(req[3_000_000:] + small)  # its end found mid-read: the next one follows
+                replies = read_messages(s, 2, "buffered", "binary")
+            wait_for(lambda: len(done) == 2, 5, "the calls recorded")
+    finally:
+        up.close()
+    assert [m.seqid for m in replies] == [43, 44]
+    assert up.requests == [req, small]
+    assert [_reply_text(m) for m in replies] == [hashlib.sha256(r).hexdigest().encode() for r in (req, small)]
+    big = [c for c in done if c.msg.name == "echo"][0]
+    assert big.upload is not None and big.request_size == len(req)
+
+
+def test_buffered_request_within_retry_buffer_is_read_whole():
+    up = BufferedRecordingUpstream()
+    req = request_bytes("buffered", "binary", "echo", os.urandom(3_000_000), seqid=5)
+    try:
+        with Proxy(_buffered(up.address, route="        retry_buffer: 8MiB\n")) as p:
+            done = _calls(p)
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(req[:2_000_000])
+                time.sleep(0.3)
+                assert up.received == 0
+                s.sendall(req[2_000_000:])
+                (reply,) = read_messages(s, 1, "buffered", "binary")
+            wait_for(lambda: done, 5, "the call recorded")
+    finally:
+        up.close()
+    assert reply.seqid == 5 and done[0].upload is None
+
+
+@pytest.mark.parametrize("protocol", ["binary", "compact"])
+def test_generated_buffered_clients_large_echo_streams_and_arrives_intact(protocol):
+    up = ThriftServer("buffered", protocol)
+    try:
+        with Proxy(config_text([up.address], transport="buffered", protocol=protocol)) as p:
+            done = _calls(p)
+            with client(p.port(), "buffered", protocol) as c:
+                big = os.urandom(5_000_000)
+                assert c.echo(big) == big
+                assert c.ping() is None
+            wait_for(lambda: len(done) == 2, 5, "two calls recorded")
+    finally:
+        up.stop()
+    (echo,) = [call for call in done if call.msg.name == "echo"]
+    assert echo.upload is not None and echo.request_size > 5_000_000
+
+
+def test_buffered_request_malformed_mid_stream_is_answered_and_closed():
+    """Where the next request would begin cannot be known: the call is answered (its seqid),
+    the connection closed, and so is the upstream connection holding part of it."""
+    up = BufferedRecordingUpstream()
+    name = b"echo"
+    head = struct.pack("!Ii", 0x80010001, len(name)) + name + struct.pack("!i", 31)
+    payload = os.urandom(2_000_000)
+    bad = head + b"\x0b\x00\x01" + struct.pack("!i", len(payload)) + payload + b"\x7f\x00\x02"  # type 0x7f
+    try:
+        with Proxy(_buffered(up.address)) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(bad[:1_500_000])
+                wait_for(lambda: up.received > 0, 5, "the upload started")
+                s.sendall(bad[1_500_000:])
+                (err,) = read_messages(s, 1, "buffered", "binary")
+                s.settimeout(5)
+                while s.recv(1 << 16):  # the lingering close drops the rest
+                    pass
+            assert up.closed_by_peer.wait(5)
+    finally:
+        up.close()
+    kind, text = _exception(err)
+    assert err.seqid == 31 and kind == AppErrorType.PROTOCOL_ERROR and text.endswith("invalid field type 127"), text
+
+
 class StalledUpstream(RawUpstream):
     """Accepts and never reads: its receive window fills and the proxy's writes back up."""
 
