@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""The shared harness (`../shared/bench/driver.py`) with one more workload: a ~10 MB reply.
+"""The shared harness (`../shared/bench/driver.py`) with two more workloads: ~10 MB messages.
 
 Issue 10's large-reply target ("10 MB adds <= 2 ms") is not among the harness's own workloads,
 so this registers `users10m` (get_users of 58,000 users: a 10.0 MB binary reply, one
-connection) in the harness's workload table and runs its `main` unchanged: the same
+connection) and `echo10m` (a 10 MB request echoed back: the request streams upstream as it
+arrives, then the reply streams back) in the harness's workload table and runs its `main`
+unchanged: the same
 interleaved rounds, targets (direct, Envoy passthrough, the Python relay, the sidecar) and
 table as every other row of `make bench`.
 
@@ -28,6 +30,9 @@ import driver  # noqa: E402  (the shared harness)
 driver.WORKLOADS.setdefault(
     "users10m", (f"get_users {USERS} (~10 MB binary reply), 1 connection",
                  ["-mode", "get_users", "-users", str(USERS), "-conns", "1"]))
+driver.WORKLOADS.setdefault(
+    "echo10m", ("echo 10 MB (10 MB request and reply), 1 connection",
+                ["-mode", "echo", "-payload", "10000000", "-conns", "1"]))
 
 if __name__ == "__main__":
     sys.argv[0] = str(shared / "driver.py")

@@ -4,7 +4,7 @@
 #
 #   bench/run.sh                          # framed/binary matrix + buffered users1 + 10 MB (~8 min)
 #   bench/run.sh --rounds 1 --duration 2  # quick check (~2 min)
-#   bench/run.sh --only framed            # or: --only buffered, --only large (the 10 MB reply)
+#   bench/run.sh --only framed            # or: --only buffered, --only large (10 MB reply, 10 MB echo)
 #   bench/run.sh --no-jaeger              # default/full tracing export to a jsonl file instead
 #   bench/run.sh --check-envoy            # which transports/protocols Envoy handles, then exit
 #
@@ -167,15 +167,16 @@ if [[ $only = "" || $only = buffered ]]; then
 fi
 
 if [[ $only = "" || $only = large ]]; then
-  # A ~10 MB reply (issue 10: adds <= 2 ms), not among the harness's workloads: bench/large.py
-  # adds it to the harness's table and runs the same driver. Envoy passthrough, the Python relay
+  # A ~10 MB reply (issue 10: adds <= 2 ms) and a 10 MB echo (the request streams too), not
+  # among the harness's workloads: bench/large.py adds them to the harness's table and runs the
+  # same driver. Envoy passthrough, the Python relay
   # and the sidecar with tracing off, each against direct in the same round.
   mapfile -t off < <(sidecar sidecar-off off)
   # large.py imports the harness's driver.py (run.sh's own entry point does the Go build first)
   bindir=$("$shared/run.sh" --build-only)
-  run_with "framed/binary: users10m (~10 MB reply)" "$here/large.py" \
+  run_with "framed/binary: users10m (~10 MB reply), echo10m (10 MB request and reply)" "$here/large.py" \
     --bin-dir "$bindir" --transport framed --protocol binary \
-    --targets direct,envoy-pt,pyrelay,sidecar-off --workloads users10m \
+    --targets direct,envoy-pt,pyrelay,sidecar-off --workloads users10m,echo10m \
     "${pyrelay[@]}" "${off[@]}" --out "$results/bench-$stamp-large.json"
 fi
 

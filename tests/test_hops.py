@@ -325,7 +325,7 @@ def test_streamed_request_overlap_is_counted_once(tmp_path):
         c.t_write = c.t_done + ms(0.005)
         c.t_handed = c.t_write + ms(0.01)
         c.t_acked = c.t_write + ms(0.3)
-        c.upload = Upload(None, 6_000_000, 0, [])
+        c.upload = Upload(None, 6_000_000, [])
         c.upload.held_ns = ms(held_ms)
         return c
 
