@@ -37,7 +37,6 @@ ACK_POLL_FIRST = 0.001  # then doubling, up to ACK_POLL_MAX, while a reply is no
 ACK_POLL_MAX = 0.01
 ACK_CAP_NS = 60_000_000_000  # a client that has not acknowledged a reply after this never read it
 UNDECIDED, NEVER = -2, -1    # ClientConnection._upload_at before a request's head is looked at / never
-UNFRAMED_UPLOAD_MIN = 64 * 1024  # an unframed request is not looked at for streaming below this
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,13 +225,17 @@ class ClientConnection(asyncio.Protocol):
         over `Pipeline.upload_threshold` (a frame's size is known at once; an unframed one's
         only grows), else leave it to be read whole."""
         if dec.framing is F_FRAMED:
+            size = dec.pending_size()
+            if size is not None and size <= pipeline.upload_min:
+                self._upload_at = NEVER  # too small to stream on any route: read it whole
+                return
             pending = dec.pending_frame()
             if pending is None:
                 return  # its head is not here yet
             msg, total = pending
             size = total
         else:
-            if dec.buffered < UNFRAMED_UPLOAD_MIN or dec.buffered <= self._upload_at:
+            if dec.buffered <= pipeline.upload_min or dec.buffered <= self._upload_at:
                 return  # (not yet over its route's threshold)
             try:
                 head = dec.unframed_head()

@@ -81,6 +81,9 @@ class Pipeline:
         self.on_begin = None      # telemetry: trace context for THeader traffic
         self._policies: dict[int, RetryPolicy | None] = {}
         self.exception_ids = exception_ids
+        # no request this small streams (the smallest retry_buffer): the listener's cheap first test
+        self.upload_min = min((r.settings.retry_buffer if r.settings is not None else DEFAULT_RETRY_BUFFER
+                               for r in router.routes), default=DEFAULT_RETRY_BUFFER)
         for route in router.routes:
             try:
                 self._policy(route)
@@ -149,13 +152,13 @@ class Pipeline:
         """A request still arriving, of which only the head is here: past how many bytes does
         it pass upstream as it arrives? Its route's `retry_buffer` (over it, it could never be
         retried anyway), when it goes out as it came in (same framing, not renamed, a CALL that
-        is answered); 0 when no route takes it (answered at once, the rest read and dropped);
-        None: never (it is read whole first, as any request)."""
+        is answered); `upload_min` when no route takes it (answered at once, the rest read and
+        dropped); None: never (it is read whole first, as any request)."""
         if msg.type != M_CALL:
             return None
         route = self.router.route(msg)
         if route is None:
-            return 0
+            return self.upload_min
         if (route.strip_service
                 or (self.oneway_methods and (msg.name in self.oneway_methods or msg.method in self.oneway_methods))):
             return None

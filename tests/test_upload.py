@@ -669,6 +669,7 @@ def test_pending_frame_reads_the_head_and_detach_hands_over_every_byte(first, pr
     dec = Decoder(Framing.FRAMED, protocol)
     dec.feed(req[:first])
     assert dec.next_message() is None
+    assert dec.pending_size() == len(req)  # from the length prefix alone
     pending = dec.pending_frame()
     if first < 20:
         assert pending is None  # its head is not here yet

@@ -230,6 +230,18 @@ class Decoder:
         self._scanner = None
         return buf, UnframedStream(scanner, buf, self.max_frame_size)
 
+    def pending_size(self) -> int | None:
+        """The whole size of a plain framed message still arriving, from its length prefix
+        (None: not framed, nothing held, or the prefix not here yet). Cheap; changes nothing."""
+        if self.framing is not F_FRAMED:
+            return None
+        if self._parts is not None:
+            return self._parts_need
+        buf, off = (self._whole, 0) if self._whole is not None else (self._buf, self._off)
+        if len(buf) - off < 4:
+            return None
+        return 4 + _I32.unpack_from(buf, off)[0]
+
     def pending_frame(self) -> tuple[Message, int] | None:
         """(head, whole size) of a plain framed message still arriving, once its head is here.
 
