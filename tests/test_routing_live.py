@@ -54,9 +54,14 @@ def open_connections(server: ThriftServer) -> int:
 
 
 def cluster_yaml(name: str, endpoints: str, lb: str = "least_request") -> str:
+    # connect_timeout: these tests measure how calls spread, not connect times. Here the proxy's
+    # loop shares one process (and the GIL) with the load's client threads and the upstreams'
+    # handler threads; on a loaded machine a stall past the default 250 ms can let the timer
+    # fire before a connect that had already completed.
     return f"""  - name: {name}
     endpoints: {endpoints}
     load_balancer: {lb}
+    connect_timeout: 2s
 """
 
 
@@ -116,8 +121,8 @@ class Load:
                     with self.lock:
                         self.ok += 1
                 except Exception as e:  # noqa: BLE001 - every failure is the test's business
-                    with self.lock:
-                        self.failures.append(repr(e))
+                    with self.lock:  # (a TApplicationException's repr hides its message)
+                        self.failures.append(f"{type(e).__name__}: {getattr(e, 'message', None) or e!r}")
                     c.close()
                     c = client(self.port)
         finally:
