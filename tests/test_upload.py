@@ -62,19 +62,26 @@ class RecordingUpstream(RawUpstream):
         self.closed_by_peer = threading.Event()
         super().__init__()
 
+    def _read(self, c: socket.socket) -> bytes | None:
+        """The next bytes from `c`, counted in `received`; None once it closed (or failed)."""
+        try:
+            data = c.recv(1 << 20)
+        except OSError:
+            return None
+        if not data:
+            self.closed_by_peer.set()
+            return None
+        self.received += len(data)
+        return data
+
     def _one(self, c: socket.socket) -> None:
         first = self.connections == 1
         buf = bytearray()
         answered = False
         while True:
-            try:
-                data = c.recv(1 << 20)
-            except OSError:
+            data = self._read(c)
+            if data is None:
                 return
-            if not data:
-                self.closed_by_peer.set()
-                return
-            self.received += len(data)
             buf += data
             if first and self.cut_after and self.received >= self.cut_after:
                 c.close()
@@ -461,28 +468,17 @@ def test_large_oneway_with_no_route_is_read_whole_and_recorded_once():
 # came without its end, which is then found by scanning each read as it passes.
 
 
-class BufferedRecordingUpstream(RawUpstream):
+class BufferedRecordingUpstream(RecordingUpstream):
     """`RecordingUpstream` for unframed binary requests (found with the proxy's own decoder)."""
-
-    def __init__(self) -> None:
-        self.received = 0
-        self.requests: list[bytes] = []
-        self.closed_by_peer = threading.Event()
-        super().__init__()
 
     def _one(self, c: socket.socket) -> None:
         dec = Decoder(Framing.BUFFERED, Protocol.BINARY, 1 << 30)
         while True:
             msg = dec.next_message()
             if msg is None:
-                try:
-                    data = c.recv(1 << 20)
-                except OSError:
+                data = self._read(c)
+                if data is None:
                     return
-                if not data:
-                    self.closed_by_peer.set()
-                    return
-                self.received += len(data)
                 dec.feed(data)
                 continue
             frame = bytes(msg.data)
