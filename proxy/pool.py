@@ -21,6 +21,8 @@ from proxy.upstream import UpstreamConnection, UpstreamError
 
 log = logging.getLogger(__name__)
 
+STALL_GRACE = 0.005  # s: a connect deadline timer later than this means the event loop was stalled
+
 
 @dataclass(frozen=True, slots=True)
 class PoolSettings:
@@ -152,12 +154,7 @@ class Pool:
         s = self.settings
         try:
             try:
-                async with asyncio.timeout(s.connect_timeout):
-                    _, conn = await loop.create_connection(
-                        lambda: UpstreamConnection(self, self.framing, self.protocol, s.max_reply_size,
-                                                   s.stream_threshold),
-                        self.host, self.port, ssl=self.ssl,
-                        server_hostname=self.server_hostname if self.ssl else None)
+                conn = await self._open(s)
             finally:
                 self.connecting -= 1
         except TimeoutError:
@@ -178,6 +175,41 @@ class Pool:
         if not w.fire(conn, None):
             # The caller gave up meanwhile: keep the connection for the next one.
             self.release(conn)
+
+    async def _open(self, s: PoolSettings) -> UpstreamConnection:
+        """Connect (and TLS handshake) within `connect_timeout` of the loop's own time.
+
+        A deadline timer that fires late because the event loop itself was stalled (a slow
+        callback, a GC pause, the GIL held by another thread) would otherwise count a connect
+        that completed meanwhile as timed out: libuv runs due timers before it polls for I/O.
+        So a deadline passed by more than STALL_GRACE is extended once by how late it was;
+        a connect that is really slow still times out. (A timeout counts against the breaker.)
+        """
+        loop = self.loop
+        limit = s.connect_timeout
+        async with asyncio.timeout(None) as cm:
+            timer = None
+
+            def check(deadline: float, extended: bool) -> None:
+                nonlocal timer
+                late = loop.time() - deadline
+                if extended or late <= STALL_GRACE:
+                    cm.reschedule(loop.time())  # expire now: the connect is cancelled
+                    return
+                again = loop.time() + min(late, limit)  # the loop was stalled that long
+                timer = loop.call_at(again, check, again, True)
+
+            first = loop.time() + limit
+            timer = loop.call_at(first, check, first, False)
+            try:
+                _, conn = await loop.create_connection(
+                    lambda: UpstreamConnection(self, self.framing, self.protocol, s.max_reply_size,
+                                               s.stream_threshold),
+                    self.host, self.port, ssl=self.ssl,
+                    server_hostname=self.server_hostname if self.ssl else None)
+            finally:
+                timer.cancel()
+        return conn
 
     def _acquire_timeout(self, w: Waiter) -> None:
         try:
