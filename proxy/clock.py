@@ -11,6 +11,13 @@ import time
 monotonic = time.monotonic
 monotonic_ns = time.monotonic_ns
 
+# A deadline timer that fires later than this after its time means the event loop itself was
+# stalled (a slow callback, a GC pause, the GIL held by another thread). libuv runs due timers
+# before it polls for I/O, so what arrived during the stall (a reply, a connect's completion)
+# has not been seen yet: the deadline code looks once more before it gives up (proxy.pool,
+# proxy.pipeline).
+STALL_GRACE = 0.005
+
 
 class ManualClock:
     """A clock that only moves when told to: `clock()` → seconds, `clock.advance(s)`."""

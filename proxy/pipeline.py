@@ -36,6 +36,7 @@ from typing import Mapping
 from proxy import calls
 from proxy.breaker import CLOSED, classify_for_breaker
 from proxy.calls import Attempt, Call, Upload
+from proxy.clock import STALL_GRACE
 from proxy.codec.rename import strip_service
 from proxy.codec import (AppErrorType, Message, MessageType, Protocol, ProtocolError, exception_reply,
                          reframe)
@@ -49,6 +50,7 @@ PREFIX = "thrift-sidecar: "
 CLIENT_TIMEOUT_HEADER = "client_timeout"  # ms, as fbthrift carries it
 DEFAULT_RETRY_BUFFER = 1 << 20  # a route without settings (config.Route.retry_buffer's default)
 UPLOAD_HOLD = 1 << 20  # bytes of a streaming request held while it waits for a connection
+STALL_RECHECK = 0.001  # s: a deadline the stalled loop overslept is looked at again after one I/O poll
 
 
 def _same_protocol(a: Protocol, b: Protocol) -> bool:
@@ -555,9 +557,14 @@ class Pipeline:
 
     # timeouts -------------------------------------------------------------------
 
-    def _attempt_timeout(self, attempt: Attempt, per_try: float) -> None:
+    def _attempt_timeout(self, attempt: Attempt, per_try: float, rechecked: bool = False) -> None:
+        timer = attempt.timer
         attempt.timer = None
         if attempt.ended:
+            return
+        if not rechecked and timer is not None and self.loop.time() - timer.when() > STALL_GRACE:
+            # the loop was stalled past the deadline: a reply that came meanwhile is read first
+            attempt.timer = self.loop.call_later(STALL_RECHECK, self._attempt_timeout, attempt, per_try, True)
             return
         self.stats["timeouts"] += 1
         self.attempt_failed(attempt, self._stop_attempt(attempt, f"per-try timeout {_ms(per_try)}"))
@@ -576,9 +583,14 @@ class Pipeline:
         self._release_call(call)
         call.conn.stream_abort(call)
 
-    def _call_timeout(self, call: Call, timeout: float, credited: int = 0) -> None:
+    def _call_timeout(self, call: Call, timeout: float, credited: int = 0, rechecked: bool = False) -> None:
         call.timer = None
         if call.reply is not None or call.cancelled:
+            return
+        if not rechecked and self.loop.time() - call.deadline > STALL_GRACE:
+            # The loop itself was stalled past the deadline (clock.STALL_GRACE): a reply that came
+            # meanwhile is read first (the next poll, in STALL_RECHECK), then the timeout stands.
+            call.timer = self.loop.call_later(STALL_RECHECK, self._call_timeout, call, timeout, credited, True)
             return
         if call.streamed:
             # Time the client held the stream back (not reading) is not the upstream's: the

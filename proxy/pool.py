@@ -16,12 +16,11 @@ from collections import deque
 from dataclasses import dataclass
 from time import monotonic
 
+from proxy.clock import STALL_GRACE
 from proxy.codec import Framing, Protocol
 from proxy.upstream import UpstreamConnection, UpstreamError
 
 log = logging.getLogger(__name__)
-
-STALL_GRACE = 0.005  # s: a connect deadline timer later than this means the event loop was stalled
 
 
 @dataclass(frozen=True, slots=True)
