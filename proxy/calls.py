@@ -110,7 +110,7 @@ class Upload:
 
     def __init__(self, client, total: int | None, held: list, tail=None) -> None:
         self.client = client                # the ClientConnection it arrives on
-        self.call: Call | None = None       # set by the pipeline
+        self.call: Call | None = None       # set by the pipeline; cleared once the listener is done
         self.total = total                  # the whole request (a frame's length prefix included)
         self.tail = tail                    # finds an unframed request's end (total None till then)
         self.held = held                    # pieces not written yet (no connection yet)

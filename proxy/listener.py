@@ -284,6 +284,7 @@ class ClientConnection(asyncio.Protocol):
             call.pipeline.upload_data(call, data, False)
             return None
         self.upload = None
+        up.call = None  # (the call keeps its Upload: no call <-> upload cycle left for the GC)
         up.received += left
         up.total = up.received
         up.done = True
@@ -325,6 +326,7 @@ class ClientConnection(asyncio.Protocol):
         self.upload = None
         self._upload_held = False
         call = up.call
+        up.call = None
         if outcome is None:
             call.pipeline.upload_broken(call, text)
         else:
@@ -364,6 +366,9 @@ class ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.closing = True
         self.state.connections.discard(self)
+        if self.upload is not None:  # gone mid-request: the call is cancelled below
+            self.upload.call = None
+            self.upload = None
         for t in (self._read_timer, self._idle_timer, self._linger, self._stall_timer):
             if t is not None:
                 t.cancel()

@@ -171,6 +171,7 @@ class Pool:
             w.fire(None, UpstreamError(f"connect to {self.label} failed: {reason}", written=False))
             return
         self.stats["connects"] += 1
+        conn.owned = True
         if not w.fire(conn, None):
             # The caller gave up meanwhile: keep the connection for the next one.
             self.release(conn)

@@ -127,7 +127,7 @@ class Exchange:
 class UpstreamConnection(asyncio.Protocol):
     __slots__ = ("pool", "transport", "decoder", "exchange_", "idle_since", "closed", "label", "framing",
                  "protocol", "max_reply_size", "stream_threshold", "_probe", "_stream_left", "_may_stream", "_tail",
-                 "paused", "upload")
+                 "paused", "upload", "owned")
 
     def __init__(self, pool, framing: Framing, protocol: Protocol, max_reply_size: int,
                  stream_threshold: int = 0) -> None:
@@ -150,6 +150,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._tail: UnframedStream | None = None  # finds the end of a streaming unframed reply
         self.paused = False                # reading paused by a streaming client's backpressure
         self.upload = None                 # the streaming request still being written (calls.Upload)
+        self.owned = False                 # counted in the pool's `open` as a connection (not a connect)
 
     # -- asyncio.Protocol -----------------------------------------------------
 
@@ -351,7 +352,8 @@ class UpstreamConnection(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         if not self.closed:
             self.closed = True
-            self.pool.forget(self)
+            if self.owned:  # (a connect cancelled by its deadline just after it completed: the
+                self.pool.forget(self)  # pool's connect path uncounts it, not this)
         ex = self.exchange_
         if ex is not None:
             self.exchange_ = None
@@ -402,6 +404,7 @@ class UpstreamConnection(asyncio.Protocol):
     def _discard(self) -> None:
         if not self.closed:
             self.closed = True
-            self.pool.forget(self)
+            if self.owned:
+                self.pool.forget(self)
             if self.transport is not None:
                 self.transport.abort()

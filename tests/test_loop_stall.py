@@ -143,3 +143,24 @@ def test_route_timeout_still_fires_after_a_loop_stall():
     ((message, took),) = errors
     assert "route timeout 300ms" in message
     assert 0.29 <= took < 1.5, took
+
+
+def test_a_connect_cancelled_after_it_completed_is_uncounted_once():
+    """The deadline can cancel a connect whose connection was just made (the same loop turn):
+    uvloop then closes it and its connection_lost runs. The pool's connect path uncounts that
+    connection; connection_lost must not do it again (the pool would then open one too many)."""
+    from proxy.upstream import UpstreamConnection
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        pool = Pool(loop, "127.0.0.1", 9, Framing.FRAMED, Protocol.BINARY, PoolSettings())
+        pool.open = 1  # as _connect counts a connect in progress
+        conn = UpstreamConnection(pool, Framing.FRAMED, Protocol.BINARY, 1 << 20)
+        conn.connection_lost(None)  # closed before the pool owned it
+        unowned = pool.open
+        owned = UpstreamConnection(pool, Framing.FRAMED, Protocol.BINARY, 1 << 20)
+        owned.owned = True
+        owned.connection_lost(None)
+        return unowned, pool.open
+
+    assert uvloop.run(main()) == (1, 0)

@@ -574,6 +574,39 @@ def test_buffered_request_malformed_mid_stream_is_answered_and_closed():
     assert err.seqid == 31 and kind == AppErrorType.PROTOCOL_ERROR and text.endswith("invalid field type 127"), text
 
 
+def test_finished_streamed_calls_are_freed_by_reference_counting():
+    """As for any call (tests/test_datapath.py): with the GC off, ten streamed requests, framed and
+    unframed, leave no Call or Upload behind (nor, through it, their client connection)."""
+    import gc
+
+    from proxy.calls import Call, Upload
+
+    framed, buffered = RecordingUpstream(), BufferedRecordingUpstream()
+    try:
+        with Proxy(_config(framed.address)) as pf, Proxy(_buffered(buffered.address)) as pb:
+            gc.collect()
+            gc.disable()
+            try:
+                before = sum(1 for o in gc.get_objects() if type(o) in (Call, Upload))  # other tests'
+                for p, framing in ((pf, "framed"), (pb, "buffered")):
+                    with socket.create_connection(("127.0.0.1", p.port())) as s:
+                        for i in range(5):
+                            req = request_bytes(framing, "binary", "echo", os.urandom(1_500_000), seqid=10 + i)
+                            s.sendall(req[:700_000])
+                            time.sleep(0.02)
+                            s.sendall(req[700_000:])
+                            (r,) = read_messages(s, 1, framing, "binary")
+                            assert r.seqid == 10 + i and r.type == MessageType.REPLY
+                time.sleep(0.1)  # the last acknowledgements are recorded
+                live = sum(1 for o in gc.get_objects() if type(o) in (Call, Upload))
+            finally:
+                gc.enable()
+    finally:
+        framed.close()
+        buffered.close()
+    assert live - before == 0, f"{live - before} calls and uploads still alive after 10 streamed calls"
+
+
 class StalledUpstream(RawUpstream):
     """Accepts and never reads: its receive window fills and the proxy's writes back up."""
 
