@@ -100,9 +100,10 @@ class Upload:
     The listener reads it: `received` bytes so far, `done` once its last byte came, `total` its
     whole size (a frame's is known from its length; an unframed request's only at its end, which
     `tail`, a `proxy.codec.stream.UnframedStream`, finds). The pipeline writes each piece onto the
-    attempt's connection, or holds the pieces while the attempt waits for one. `paused`: the client's reading is held back for this upload (too much held,
-    or the upstream connection is not taking bytes); `held_ns` sums those times (the spans'
-    `sidecar.upload_held_ms`: how much of `read_request` was the upstream side's doing).
+    attempt's connection, or holds the pieces while the attempt waits for one. `paused`: the
+    client's reading is held back for this upload (too much held, or the upstream connection is
+    not taking bytes); `held_ns` sums those times (the spans' `sidecar.upload_held_ms`: how much
+    of `read_request` was the upstream side's doing).
     """
 
     __slots__ = ("client", "call", "total", "received", "done", "tail", "held", "held_size", "paused",

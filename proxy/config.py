@@ -340,7 +340,7 @@ class Route(_Model):
     timeout: Duration = 0.0  # 0 = no route timeout
     slow_call: Duration = 1.0  # slower calls are always traced
     retry: Retry = Retry()
-    retry_buffer: Size = MiB  # larger requests are not retried: they stream (pipeline.streams)
+    retry_buffer: Size = MiB  # larger requests are not retried: they stream (pipeline.upload_threshold)
 
     @model_validator(mode="after")
     def _one_target(self) -> Route:

@@ -270,16 +270,16 @@ class ClientConnection(asyncio.Protocol):
         call = up.call
         tail = up.tail
         if tail is None:
-            left = up.total - up.received
+            left = up.total - up.received  # bytes of it still to come
+            last = n >= left
         else:
             try:
                 left = tail.feed(data)  # the bytes of it in this read (all, until its end)
             except ProtocolError as e:
                 self._upload_garbage(e)
                 return None
-            if not tail.done:
-                left = n + 1
-        if n < left:
+            last = tail.done
+        if not last:
             up.received += n
             call.pipeline.upload_data(call, data, False)
             return None
@@ -308,29 +308,30 @@ class ClientConnection(asyncio.Protocol):
             self._maybe_resume()
 
     def _upload_garbage(self, e: ProtocolError) -> None:
-        """An unframed request that turned out malformed mid-stream: answered, then closed
-        (where the next request would begin cannot be known)."""
+        """An unframed request that turned out malformed mid-stream (where the next request
+        would begin cannot be known)."""
         self.state.stats["protocol_errors"] += 1
         log.info("client %s on listener %s: %s", self.peer, self.state.settings.name, e.message)
+        self._upload_broken(e.message)
+
+    def _upload_broken(self, text: str, outcome=None) -> None:
+        """The streaming request will not be finished: its call is answered with `text` (unless
+        it was already), then the connection closes after the replies."""
+        up = self.upload
+        self.upload = None
+        self._upload_held = False
         self.closing = True
         if self._read_timer is not None:
             self._read_timer.cancel()
             self._read_timer = None
-        self._upload_broken(e.message)
-        if not self.queue:
-            self._close_after_replies()
-
-    def _upload_broken(self, text: str, outcome=None) -> None:
-        """The streaming request will not be finished: its call is answered with `text`."""
-        up = self.upload
-        self.upload = None
-        self._upload_held = False
         call = up.call
         up.call = None
         if outcome is None:
             call.pipeline.upload_broken(call, text)
         else:
             call.pipeline.upload_broken(call, text, outcome, AppErrorType.INTERNAL_ERROR)
+        if not self.queue:
+            self._close_after_replies()
 
     def _bad_type(self, msg) -> None:
         self._protocol_error(ProtocolError(
@@ -340,13 +341,9 @@ class ClientConnection(asyncio.Protocol):
         if self.closing:
             return False
         up = self.upload
-        if up is not None:
-            self.closing = True  # answer it (the client half-closed), then close
+        if up is not None:  # answer it (the client half-closed), then close
             self._upload_broken(f"bad request: connection closed inside a request ({up.progress()})")
-            if not self.queue:
-                self._close_after_replies()
-                return False
-            return True
+            return bool(self.queue)
         if self.decoder.buffered and len(self.queue) >= self.state.settings.max_inflight:
             self._eof = True  # whole requests wait in the decoder: answer them first
             return True
@@ -667,7 +664,6 @@ class ClientConnection(asyncio.Protocol):
         self.state.stats["read_timeouts"] += 1
         timeout = self.state.settings.request_read_timeout
         if up is not None:
-            self.closing = True
             a = up.call.attempt
             got = f"({up.progress()})"
             if self._upload_held and a is not None and a.upconn is not None:
@@ -679,8 +675,6 @@ class ClientConnection(asyncio.Protocol):
             else:
                 self._upload_broken(f"bad request: request not complete within request_read_timeout "
                                     f"{timeout:g}s {got}")
-            if not self.queue:
-                self._close_after_replies()
             return
         self._protocol_error(ProtocolError(
             f"bad request: request not complete within request_read_timeout {timeout:g}s "

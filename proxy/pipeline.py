@@ -16,7 +16,7 @@
       8. retry?      policy (idempotency, attempts, retry_buffer) → max_retries → budget → backoff
       9. answer      reply bytes re-framed for the client, queued in request order
 
-A framed request over its route's `retry_buffer` that does not come in one read is
+A request over its route's `retry_buffer` that does not come in one read is
 handled from its head instead (`upload_threshold`): steps 1-4 run at once, and its bytes go
 upstream as they arrive (`upload_data`); it is never retried (DESIGN.md).
 
@@ -34,6 +34,7 @@ from time import monotonic_ns
 from typing import Mapping
 
 from proxy import calls
+from proxy import config as cfgmod
 from proxy.breaker import CLOSED, classify_for_breaker
 from proxy.calls import Attempt, Call, Upload
 from proxy.clock import STALL_GRACE
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "thrift-sidecar: "
 CLIENT_TIMEOUT_HEADER = "client_timeout"  # ms, as fbthrift carries it
-DEFAULT_RETRY_BUFFER = 1 << 20  # a route without settings (config.Route.retry_buffer's default)
+DEFAULT_RETRY_BUFFER = cfgmod.Route.model_fields["retry_buffer"].default  # a route without settings
 UPLOAD_HOLD = 1 << 20  # bytes of a streaming request held while it waits for a connection
 STALL_RECHECK = 0.001  # s: a deadline the stalled loop overslept is looked at again after one I/O poll
 
@@ -95,7 +96,7 @@ class Pipeline:
     # 1-3: route, oneway, admit -----------------------------------------------------
 
     def handle(self, conn, msg: Message, t_start: int, t_framed: int, upload: Upload | None = None) -> None:
-        """A request framed (or, with `upload`, a large one whose head is here: see `streams`)."""
+        """A request framed (or, with `upload`, a large one whose head is here: see `upload_threshold`)."""
         self.stats["calls"] += 1
         call = Call(conn, msg, t_start, t_framed, self)
         if upload is not None:
@@ -202,9 +203,7 @@ class Pipeline:
         settings = call.route.settings if call.route is not None else None
         per_try = settings.retry.per_try_timeout if settings is not None else 0.0
         if per_try > 0 and a is not None and not a.ended and a.timer is None:
-            at = self.loop.time() + per_try
-            if not call.deadline or at < call.deadline:
-                a.timer = self.loop.call_at(at, self._attempt_timeout, a, per_try)
+            self._arm_per_try(a, per_try)
 
     def upload_broken(self, call: Call, text: str, outcome: str = calls.BAD_REQUEST,
                       app_type: AppErrorType = AppErrorType.PROTOCOL_ERROR) -> None:
@@ -216,10 +215,7 @@ class Pipeline:
         a = call.attempt
         if a is not None and not a.ended:
             self._stop_attempt(a, "request cut")
-            self._leave_pending(a)
-            self._off_connection(a)
-            a.error = text
-            self._end_attempt(a, calls.MAY_HAVE_RUN if call.written else calls.NOT_SENT, False)
+            self._drop_attempt(a, text, calls.MAY_HAVE_RUN if call.written else calls.NOT_SENT)
         self._cancel_backoff(call)
         call.outcome = outcome
         self.fail(call, app_type, text)
@@ -253,11 +249,7 @@ class Pipeline:
         settings = call.route.settings
         per_try = settings.retry.per_try_timeout if settings is not None else 0.0
         if per_try > 0 and not call.oneway and (call.upload is None or call.upload.done):
-            at = self.loop.time() + per_try
-            if call.deadline and call.deadline < at:
-                at = call.deadline + 0.001  # the route deadline fires first
-            else:
-                attempt.timer = self.loop.call_at(at, self._attempt_timeout, attempt, per_try)
+            self._arm_per_try(attempt, per_try)
         pool = cluster.pool(endpoint, cluster.framing or msg.framing, msg.protocol)
         attempt.pool = pool
         conn = pool.try_acquire()
@@ -274,6 +266,13 @@ class Pipeline:
                 return
             attempt.pending = True
         attempt.waiter = pool.acquire(attempt)
+
+    def _arm_per_try(self, attempt: Attempt, per_try: float) -> None:
+        """The attempt's per-try deadline, unless the route deadline comes first."""
+        at = self.loop.time() + per_try
+        deadline = attempt.call.deadline
+        if not deadline or at <= deadline:
+            attempt.timer = self.loop.call_at(at, self._attempt_timeout, attempt, per_try)
 
     # 5: write -------------------------------------------------------------------
 
@@ -613,13 +612,19 @@ class Pipeline:
         a = call.attempt
         if a is not None and not a.ended:
             error = self._stop_attempt(a, f"route timeout {_ms(timeout)}")
-            self._leave_pending(a)
-            self._off_connection(a)
-            a.error = error.message
-            self._end_attempt(a, calls.TIMEOUT if error.written else calls.NOT_SENT, False)
+            self._drop_attempt(a, error.message, calls.TIMEOUT if error.written else calls.NOT_SENT)
         else:
             error = UpstreamError(f"route timeout {_ms(timeout)} passed", written=call.written, timeout=True)
         self._give_up(call, error, calls.TIMEOUT if call.written else calls.NOT_SENT)
+
+    def _drop_attempt(self, attempt: Attempt, error: str, outcome: str) -> None:
+        """An attempt stopped (`_stop_attempt`, or its connection abandoned) for a reason that is
+        not its endpoint's (a timeout, the request cut, the client gone): off its connection
+        and its pending slot, its outcome recorded without blaming the endpoint."""
+        self._leave_pending(attempt)
+        self._off_connection(attempt)
+        attempt.error = error
+        self._end_attempt(attempt, outcome, False)
 
     def _cancel_backoff(self, call: Call) -> None:
         """A retry was waiting out its backoff: it will not happen (its max_retries slot frees)."""
@@ -698,7 +703,5 @@ class Pipeline:
             self._end_attempt(a, calls.NOT_SENT, False)
         elif a is not None and a.upconn is not None and a.upconn.upload is not None:
             a.upconn.abandon()  # it holds part of a request that will never be finished
-            self._off_connection(a)
-            a.error = "the client closed its connection while sending the request"
-            self._end_attempt(a, calls.MAY_HAVE_RUN, False)
+            self._drop_attempt(a, "the client closed its connection while sending the request", calls.MAY_HAVE_RUN)
         self._release_call(call)

@@ -205,11 +205,9 @@ class UpstreamConnection(asyncio.Protocol):
             return
         self.exchange_ = None
         if self.decoder.buffered or self.upload is not None:
-            if self.upload is not None:
-                log.info("upstream %s replied before the whole request was written; closing that connection",
-                         self.label)
-            else:
-                log.info("upstream %s sent bytes past its reply; closing that connection", self.label)
+            log.info("upstream %s %s; closing that connection", self.label,
+                     "replied before the whole request was written" if self.upload is not None
+                     else "sent bytes past its reply")
             self._discard()
             ex.on_reply(reply)
             return

@@ -250,19 +250,14 @@ class Decoder:
         not here yet (or is unreadable: then it is read whole and refused as usual).
         Changes nothing.
         """
-        if self.framing is not F_FRAMED:
+        total = self.pending_size()
+        if total is None:
             return None
         if self._parts is not None:
             parts = self._parts  # its head may be cut by a read: then over the reads so far
-            buf, off, total = parts[0] if len(parts) == 1 else b"".join(parts), 0, self._parts_need
+            buf, off = parts[0] if len(parts) == 1 else b"".join(parts), 0
         else:
-            if self._whole is not None:
-                buf, off = self._whole, 0
-            else:
-                buf, off = self._buf, self._off
-            if len(buf) - off < 4:
-                return None
-            total = 4 + _I32.unpack_from(buf, off)[0]
+            buf, off = (self._whole, 0) if self._whole is not None else (self._buf, self._off)
             if total <= len(buf) - off or total - 4 > self.max_frame_size:
                 return None  # complete (next_message returns it) or refused by next_message
         end = len(buf)
