@@ -197,8 +197,11 @@ class Attempt(Exchange):
     def start_stream(self, head) -> bool:
         return self.call.pipeline.stream_start(self, head)
 
-    def stream_data(self, data) -> None:
-        self.call.conn.stream_write(self.call, data)
+    def stream_data(self, data) -> int:
+        return self.call.conn.stream_write(self.call, data)
+
+    def splice_to(self):
+        return self.call.conn.splice_target(self.call)
 
     def stream_sized(self, size: int) -> None:
         self.call.reply_size = size  # an unframed stream's size (a framed one's came with its head)

@@ -459,11 +459,23 @@ class ClientConnection(asyncio.Protocol):
             paused += monotonic_ns() - self._paused_at
         return paused
 
-    def stream_write(self, call: Call, data) -> None:
-        if call is not self.stream_call or self.transport is None:
-            return
-        self.transport.write(data)
+    def stream_write(self, call: Call, data) -> int:
+        """Write a piece of `call`'s streaming reply; returns the bytes the transport still holds."""
+        t = self.transport
+        if call is not self.stream_call or t is None:
+            return 0
+        t.write(data)
         self.bytes_out += len(data)
+        return t.get_write_buffer_size()
+
+    def splice_target(self, call: Call):
+        """This connection, when the rest of `call`'s streaming reply may go straight into its
+        socket (proxy.splice): the reply is streaming to it and its transport holds nothing."""
+        t = self.transport
+        if (call is self.stream_call and t is not None and not self.closing and not self.paused_writing
+                and self.fd >= 0 and t.get_write_buffer_size() == 0):
+            return self
+        return None
 
     def stream_end(self, call: Call) -> None:
         if call is not self.stream_call:

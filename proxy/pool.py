@@ -77,7 +77,8 @@ class Pool:
         self.waiters: deque[Waiter] = deque()
         self.closed = False
         self._sweep: asyncio.TimerHandle | None = None
-        self.stats = {"connects": 0, "connect_failures": 0, "acquire_timeouts": 0, "evicted": 0}
+        self.stats = {"connects": 0, "connect_failures": 0, "acquire_timeouts": 0, "evicted": 0,
+                      "spliced": 0, "spliced_bytes": 0}  # streaming replies passed by splice(2)
 
     # -- the acquire hop ------------------------------------------------------
 

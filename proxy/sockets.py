@@ -12,6 +12,7 @@ from array import array
 import logging
 import resource
 import socket
+import termios
 
 log = logging.getLogger(__name__)
 
@@ -62,3 +63,15 @@ def unsent_bytes(fd: int) -> int:
     except OSError:
         return 0
     return _OUT[0]
+
+
+_IN = array("i", [0])
+
+
+def unread_bytes(fd: int) -> int:
+    """Bytes that arrived on a TCP socket and are not read yet (FIONREAD); 0 on error."""
+    try:
+        fcntl.ioctl(fd, termios.FIONREAD, _IN, True)
+    except OSError:
+        return 0
+    return _IN[0]

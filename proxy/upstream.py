@@ -16,6 +16,10 @@ once `stream_threshold` bytes of it are here without its end (the decoder has re
 whole so far), and from then on `UnframedStream` finds its end in each read, keeping
 only a cut field header between reads. Bytes past a streamed reply's end discard the
 connection, as for any reply.
+
+Once the client's transport holds nothing and at least `splice.SPLICE_MIN` bytes of a framed
+reply are still to come, the rest goes by splice(2), kernel to kernel (`proxy.splice`): this
+connection's transport stays paused meanwhile and takes over again at the reply's end.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from proxy.codec.wire import M_EXCEPTION, M_REPLY
 from proxy.codec.heads import peek_result_field, read_head
 from proxy.codec.stream import UnframedStream
 from proxy.codec.theader import parse_header_block
-from proxy.sockets import set_nodelay
+from proxy import splice
+from proxy.sockets import set_nodelay, unread_bytes
 
 _I32 = struct.Struct("!i")
 PROBE_MAX = 64 * 1024  # bytes gathered to read a large reply's head before deciding to stream it
@@ -106,8 +111,13 @@ class Exchange:
         """A large reply begins: True to stream it to the client as it arrives."""
         return False
 
-    def stream_data(self, data) -> None:  # pragma: no cover - interface
+    def stream_data(self, data) -> int:  # pragma: no cover - interface
+        """Pass on a piece of the reply; returns the bytes the client's transport still holds."""
         raise NotImplementedError
+
+    def splice_to(self):  # pragma: no cover - interface
+        """The client connection the rest of a streaming reply may be spliced into now, or None."""
+        return None
 
     def stream_end(self) -> None:  # pragma: no cover - interface
         raise NotImplementedError
@@ -127,7 +137,7 @@ class Exchange:
 class UpstreamConnection(asyncio.Protocol):
     __slots__ = ("pool", "transport", "decoder", "exchange_", "idle_since", "closed", "label", "framing",
                  "protocol", "max_reply_size", "stream_threshold", "_probe", "_stream_left", "_may_stream", "_tail",
-                 "paused", "upload", "owned")
+                 "paused", "upload", "owned", "_splice")
 
     def __init__(self, pool, framing: Framing, protocol: Protocol, max_reply_size: int,
                  stream_threshold: int = 0) -> None:
@@ -151,6 +161,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.paused = False                # reading paused by a streaming client's backpressure
         self.upload = None                 # the streaming request still being written (calls.Upload)
         self.owned = False                 # counted in the pool's `open` as a connection (not a connect)
+        self._splice: splice.Splice | None = None  # moving the rest of a streaming reply (transport paused)
 
     # -- asyncio.Protocol -----------------------------------------------------
 
@@ -257,11 +268,58 @@ class UpstreamConnection(asyncio.Protocol):
         left = self._stream_left
         n = len(data)
         if n < left:
-            self._stream_left = left - n
-            ex.stream_data(data)
+            self._stream_left = left = left - n
+            if (not ex.stream_data(data) and left >= splice.SPLICE_MIN and splice.available
+                    and self.pool.ssl is None):
+                self._start_splice(ex)
             return
         self._stream_left = 0
         self._stream_last(ex, data, left)
+
+    def _start_splice(self, ex: Exchange) -> None:
+        """The client's transport holds nothing: the rest of the reply goes kernel to kernel."""
+        client = ex.splice_to()
+        sock = self.transport.get_extra_info("socket")
+        if client is None or sock is None:
+            return
+        try:
+            sp = splice.Splice(self.pool.loop, self, client, sock.fileno(), client.fd, self._stream_left)
+        except OSError as e:
+            log.info("upstream %s: no splice (%s); the reply streams through the proxy", self.label, e)
+            return
+        self._splice = sp
+        self._stream_left = 0
+        self.transport.pause_reading()
+        self.pool.stats["spliced"] += 1
+        sp.start()
+
+    def splice_done(self) -> None:
+        """The spliced reply's last byte went to the client: this connection reads again (or is
+        discarded: bytes past the reply came), then the exchange ends."""
+        sp = self._splice
+        self._splice = None
+        self.pool.stats["spliced_bytes"] += sp.moved
+        ex = self.exchange_
+        self.exchange_ = None
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None and unread_bytes(sock.fileno()):
+            log.info("upstream %s sent bytes past its reply; closing that connection", self.label)
+            self._discard()
+        else:
+            self.paused = False
+            self.transport.resume_reading()
+            self.pool.release(self)
+        ex.stream_end()
+
+    def splice_failed(self, why: str) -> None:
+        """The upstream socket closed or failed mid-reply (bytes went to the client already)."""
+        self._stop_splice()
+        ex = self.exchange_
+        self.exchange_ = None
+        self._discard()
+        if ex is not None:
+            ex.on_failure(UpstreamError(f"connection to {self.label} lost after the request was written: {why}",
+                                        written=True))
 
     def _begin_unframed_stream(self, ex: Exchange) -> None:
         """An unframed reply is still incomplete after `stream_threshold` bytes: stream the rest?
@@ -328,12 +386,18 @@ class UpstreamConnection(asyncio.Protocol):
     def pause_reading(self) -> None:
         if self.transport is not None and not self.closed:
             self.paused = True
-            self.transport.pause_reading()
+            if self._splice is not None:
+                self._splice.pause()  # (the transport itself stays paused while it splices)
+            else:
+                self.transport.pause_reading()
 
     def resume_reading(self) -> None:
         if self.transport is not None and not self.closed:
             self.paused = False
-            self.transport.resume_reading()
+            if self._splice is not None:
+                self._splice.resume()
+            else:
+                self.transport.resume_reading()
 
     def eof_received(self) -> bool:
         return False
@@ -348,6 +412,7 @@ class UpstreamConnection(asyncio.Protocol):
             self.upload.hold(False)
 
     def connection_lost(self, exc) -> None:
+        self._stop_splice()
         if not self.closed:
             self.closed = True
             if self.owned:  # (a connect cancelled by its deadline just after it completed: the
@@ -399,9 +464,17 @@ class UpstreamConnection(asyncio.Protocol):
             self._stream_cut(ex)
             ex.on_failure(error)
 
+    def _stop_splice(self) -> None:
+        sp = self._splice
+        if sp is not None:
+            self._splice = None
+            self.pool.stats["spliced_bytes"] += sp.moved
+            sp.cancel()
+
     def _discard(self) -> None:
         if not self.closed:
             self.closed = True
+            self._stop_splice()
             if self.owned:
                 self.pool.forget(self)
             if self.transport is not None:

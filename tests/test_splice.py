@@ -1,0 +1,245 @@
+"""The rest of a large streaming reply goes upstream socket → client socket by splice(2).
+
+Every test checks that the splice did happen (the pool's `spliced` count), so that none of them
+passes by streaming through the transports instead."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import socket
+import struct
+import time
+
+import pytest
+
+from harness import Proxy, RawUpstream, ThriftServer, client, config_text, request_bytes, wait_for
+from proxy import splice
+
+pytestmark = pytest.mark.skipif(not splice.available, reason="no splice(2) here")
+
+
+def _config(upstream: str, listener: str = "") -> str:
+    return config_text([upstream]).replace(
+        "    protocol: binary\n    routes", f"    protocol: binary\n    max_frame_size: 300MiB{listener}\n    routes").replace(
+        "    load_balancer", "    max_reply_size: 300MiB\n    load_balancer")
+
+
+def _stats(p) -> dict:
+    """The pool's snapshot (counts and stats), taken on the proxy's loop; {} before it exists."""
+    def snap():
+        (ep,) = p.server.clusters["up"].endpoints
+        return {k: v for pool in ep.pools.values() for k, v in pool.snapshot().items()}
+    return p.call(snap)
+
+
+PING_REPLY = 38  # bytes of ShaUpstream's framed ping reply
+
+
+def _leftovers() -> tuple[list[str], int]:
+    """Sockets open more than once in this process (a splice's dup'd fds not closed), and how
+    many pipes are open (a splice keeps up to PIPES_KEPT empty ones for the next)."""
+    seen: dict[str, int] = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            t = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        seen[t] = seen.get(t, 0) + 1
+    dups = [t for t, n in seen.items() if t.startswith("socket:") and n > 1]
+    return dups, sum(1 for t in seen if t.startswith("pipe:"))
+
+
+def _no_leftovers(pipes_before: int) -> bool:
+    dups, pipes = _leftovers()
+    return not dups and pipes <= pipes_before + splice.PIPES_KEPT
+
+
+class ShaUpstream(RawUpstream):
+    """Answers echo with a reply of `size` random bytes (sent in 1 MiB writes) and remembers
+    their sha256; ping with 10 bytes. `die_after`: reset the connection after that many."""
+
+    def __init__(self, size: int, die_after: int | None = None) -> None:
+        self.size = size
+        self.die_after = die_after
+        self.sha = None
+        super().__init__()
+
+    def _one(self, c: socket.socket) -> None:
+        with c, contextlib.suppress(OSError):  # (the proxy may drop a connection mid-reply)
+            for name, seqid in self.requests(c):
+                size = 10 if name == b"ping" else self.size
+                payload = os.urandom(size)
+                self.sha = hashlib.sha256(payload).hexdigest()
+                head = struct.pack("!Ii", 0x80010002, len(name)) + name + struct.pack("!i", seqid)
+                field = b"\x0b" + struct.pack("!h", 0) + struct.pack("!i", size)
+                c.sendall(struct.pack("!i", len(head) + len(field) + size + 1) + head + field)
+                for at in range(0, size, 1 << 20):
+                    c.sendall(payload[at:at + (1 << 20)])
+                    if self.die_after is not None and at + (1 << 20) >= self.die_after:
+                        c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        return  # reset mid-reply
+                c.sendall(b"\x00")
+
+
+def _read_reply(s: socket.socket, pause: float = 0.0, chunk: int = 1 << 20) -> bytes:
+    """One framed reply from a raw socket, read `chunk` bytes at a time with `pause` between."""
+    parts, got, total = [], 0, None
+    while total is None or got < total:
+        data = s.recv(chunk)
+        assert data, f"closed after {got} bytes"
+        parts.append(data)
+        got += len(data)
+        if total is None and got >= 4:
+            total = 4 + struct.unpack("!i", b"".join(parts)[:4])[0]
+        if pause:
+            time.sleep(pause)
+    reply = b"".join(parts)
+    assert len(reply) == total
+    return reply
+
+
+def _payload_sha(reply: bytes, size: int) -> str:
+    return hashlib.sha256(reply[-1 - size:-1]).hexdigest()
+
+
+def test_a_large_reply_is_spliced_byte_exact_and_its_connection_reused():
+    up = ShaUpstream(10_000_000)
+    try:
+        with Proxy(_config(up.address)) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.settimeout(10)
+                for seqid in (1, 2):
+                    s.sendall(request_bytes("framed", "binary", "echo", b"", seqid=seqid))
+                    reply = _read_reply(s)
+                    assert _payload_sha(reply, 10_000_000) == up.sha
+                    assert struct.unpack_from("!i", reply, 4 + 4 + 4 + 4)[0] == seqid  # (head: "echo")
+                s.sendall(request_bytes("framed", "binary", "ping", seqid=3))  # after it, on the same
+                assert len(_read_reply(s)) == PING_REPLY  # upstream connection
+            stats = _stats(p)
+        assert stats["spliced"] == 2, stats
+        assert 2 * 9_000_000 < stats["spliced_bytes"] <= 2 * 10_000_000, stats
+        assert stats["connects"] == 1 and up.connections == 1
+    finally:
+        up.close()
+
+
+def test_a_generated_client_gets_spliced_replies():
+    """Apache Thrift's own client and server, 1.5 and 6 MB echoes, and a small one between."""
+    up = ThriftServer()
+    try:
+        with Proxy(_config(up.address)) as p:
+            with client(p.port()) as c:
+                for size in (1_500_000, 30_000, 6_000_000):
+                    big = os.urandom(size)
+                    assert c.echo(big) == big
+            stats = _stats(p)
+        assert stats["spliced"] == 2, stats
+    finally:
+        up.stop()
+
+
+def test_a_slow_reader_gets_every_byte_and_its_pauses_are_counted():
+    """A client that reads 64 KiB every 5 ms through a small receive buffer: the splice waits on
+    its socket (the client connection is paused, as its transport would be) and goes on."""
+    up = ShaUpstream(6_000_000)
+    try:
+        with Proxy(_config(up.address)) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+            s.connect(("127.0.0.1", p.port()))
+            with s:
+                s.settimeout(10)
+                s.sendall(request_bytes("framed", "binary", "echo", b"", seqid=4))
+                reply = _read_reply(s, pause=0.005, chunk=64 * 1024)
+                assert _payload_sha(reply, 6_000_000) == up.sha
+                s.sendall(request_bytes("framed", "binary", "ping", seqid=5))  # the connection goes on
+                assert len(_read_reply(s)) == PING_REPLY
+            wait_for(lambda: len(done) == 2, 5, "both calls recorded")
+            stats = _stats(p)
+        assert stats["spliced"] == 1, stats
+        (call,) = [c for c in done if c.msg.name == "echo"]
+        assert call.streamed and call.outcome == "success"
+        assert call.client_paused_ns > 100_000_000, call.client_paused_ns  # ~450 ms of reading
+    finally:
+        up.close()
+
+
+def test_upstream_reset_mid_splice_closes_only_that_client():
+    up = ShaUpstream(8_000_000, die_after=3_000_000)
+    _, pipes = _leftovers()
+    try:
+        with Proxy(_config(up.address)) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(request_bytes("framed", "binary", "echo", b"", seqid=5))
+                s.settimeout(10)
+                got = 0
+                while chunk := s.recv(1 << 20):
+                    got += len(chunk)
+                assert 0 < got < 8_000_000  # part of it came, then the connection closed
+            wait_for(lambda: len(done) == 1, 5, "the broken call recorded")
+            (call,) = done
+            assert call.streamed and call.outcome == "may_have_run"
+            assert "lost after the request was written" in call.error, call.error
+            stats = _stats(p)
+            assert stats["spliced"] == 1, stats
+            up.die_after = None
+            with socket.create_connection(("127.0.0.1", p.port())) as s:  # others are served
+                s.settimeout(10)
+                s.sendall(request_bytes("framed", "binary", "echo", b"", seqid=6))
+                assert _payload_sha(_read_reply(s), 8_000_000) == up.sha
+            wait_for(lambda: _no_leftovers(pipes), 5, "no fd left open by the broken splice")
+    finally:
+        up.close()
+
+
+def test_client_gone_mid_splice_discards_the_upstream_connection():
+    up = ShaUpstream(30_000_000)
+    _, pipes = _leftovers()
+    try:
+        with Proxy(_config(up.address)) as p:
+            for _ in range(3):
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+                s.connect(("127.0.0.1", p.port()))
+                s.sendall(request_bytes("framed", "binary", "echo", b"", seqid=7))
+                s.settimeout(10)
+                assert s.recv(65536)
+                wait_for(lambda: _stats(p).get("spliced", 0) >= 1, 5, "the splice started")
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.close()  # reset, mid-reply
+                wait_for(lambda: _stats(p)["open"] == 0, 5, "the upstream connection discarded")
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.settimeout(10)
+                s.sendall(request_bytes("framed", "binary", "ping", seqid=8))
+                assert len(_read_reply(s)) == PING_REPLY
+            stats = _stats(p)
+            assert stats["spliced"] == 3, stats
+            assert stats["connects"] == 4, stats
+            wait_for(lambda: _no_leftovers(pipes), 5, "no fd left open by the cut splices")
+    finally:
+        up.close()
+
+
+def test_a_client_that_stops_reading_mid_splice_is_closed_as_a_write_stall():
+    up = ShaUpstream(30_000_000)
+    try:
+        with Proxy(_config(up.address, "\n    request_read_timeout: 1s")) as p:
+            state = p.server.listeners["test"]
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+            s.connect(("127.0.0.1", p.port()))
+            with s:
+                s.sendall(request_bytes("framed", "binary", "echo", b"", seqid=9))
+                s.settimeout(10)
+                assert s.recv(65536)  # then nothing more is read
+                wait_for(lambda: state.stats["write_stalls"] == 1, 10, "the stalled client closed")
+            stats = _stats(p)
+            assert stats["spliced"] == 1, stats
+    finally:
+        up.close()
