@@ -81,6 +81,17 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def listening(port: int) -> bool:
+    """Something accepts connections on 127.0.0.1:`port`. A probe that connected to itself
+    (TCP simultaneous open: the kernel gave it the very port it dials while nobody listens
+    there yet) does not count."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as probe:
+            return probe.getsockname() != probe.getpeername()
+    except OSError:
+        return False
+
+
 def wait_for(cond, timeout: float = 10.0, what: str = "condition") -> None:
     """Poll `cond` every 20 ms until it holds; fail after `timeout` seconds (generous: these
     machines are busy, and a condition that never holds still fails)."""
@@ -518,13 +529,11 @@ class ProxyProcess:
             while True:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"proxy exited: {self.output()}")
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                if listening(port):
                     break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"proxy did not listen on {port}: {self.output()}")
-                    time.sleep(0.05)
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"proxy did not listen on {port}: {self.output()}")
+                time.sleep(0.05)
 
     def output(self) -> str:
         self.log.flush()

@@ -28,7 +28,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,7 +38,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness import ThriftServer, client, free_port, free_ports
+from harness import ThriftServer, client, free_port, free_ports, listening
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
@@ -628,14 +627,12 @@ def _wait_listening(proc: subprocess.Popen, port: int, log: Path, timeout: float
     while True:
         if proc.poll() is not None:
             pytest.fail(f"the sidecar exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        if listening(port):
             return
-        except OSError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"the sidecar did not listen on {port}:\n{log.read_text()}")
-            time.sleep(0.05)
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the sidecar did not listen on {port}:\n{log.read_text()}")
+        time.sleep(0.05)
 
 
 def _stop(proc: subprocess.Popen, log: Path, drain_timeout: float) -> int:
