@@ -78,7 +78,8 @@ class Pool:
         self.closed = False
         self._sweep: asyncio.TimerHandle | None = None
         self.stats = {"connects": 0, "connect_failures": 0, "acquire_timeouts": 0, "evicted": 0,
-                      "spliced": 0, "spliced_bytes": 0}  # streaming replies passed by splice(2)
+                      "spliced": 0, "spliced_bytes": 0,  # streaming replies passed by splice(2)
+                      "splice_failures": 0}               # ...or not: no fd or pipe to be had
 
     # -- the acquire hop ------------------------------------------------------
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from proxy import config as cfgmod
 from proxy import resilience
+from proxy import splice
 from proxy.clock import monotonic
 from proxy.balancer import make_balancer
 from proxy.cluster import Cluster
@@ -386,6 +387,7 @@ class Server:
             except TimeoutError:
                 pass
         self.lag.stop()
+        splice.close_idle_pipes()
         if self.admin is not None:
             await self.admin.close()
         if self.telemetry is not None and self._own_telemetry:  # spans flushed with a bounded timeout

@@ -30,6 +30,7 @@ SPLICE_MIN = 1 << 20     # bytes of a reply still to come for a splice to be wor
                          # on took 4% less CPU but ~8 µs more p50)
 PIPE_SIZE = 1 << 20      # the pipe's capacity asked for (the kernel may give 64 KiB only)
 PIPES_KEPT = 4           # empty pipes kept for the next splice
+BUDGET = 4 << 20         # bytes moved per loop callback at most (then other callbacks run first)
 F_SETPIPE_SZ = 1031
 F_GETPIPE_SZ = 1032
 
@@ -40,14 +41,32 @@ _idle_pipes: list[tuple[int, int, int]] = []  # (read fd, write fd, capacity), e
 
 
 def _pipe() -> tuple[int, int, int]:
-    if _idle_pipes:
+    try:
         return _idle_pipes.pop()
+    except IndexError:  # (none kept; several servers in one process share the list)
+        pass
     r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        fcntl.fcntl(w, F_SETPIPE_SZ, PIPE_SIZE)
+        try:
+            fcntl.fcntl(w, F_SETPIPE_SZ, PIPE_SIZE)
+        except OSError:
+            pass  # the default capacity, then
+        return r, w, fcntl.fcntl(w, F_GETPIPE_SZ)
     except OSError:
-        pass  # the default capacity, then
-    return r, w, fcntl.fcntl(w, F_GETPIPE_SZ)
+        os.close(r)
+        os.close(w)
+        raise
+
+
+def close_idle_pipes() -> None:
+    """Close the pipes kept for reuse (the server is closing)."""
+    while True:
+        try:
+            r, w, _ = _idle_pipes.pop()
+        except IndexError:
+            return
+        os.close(r)
+        os.close(w)
 
 
 class Splice:
@@ -101,7 +120,9 @@ class Splice:
     # -- moving bytes ----------------------------------------------------------------------
 
     def _pump(self) -> None:
-        """Move what can be moved now; then wait for the socket that stopped us."""
+        """Move what can be moved now (up to BUDGET bytes); then wait for the socket that
+        stopped us, or (over budget) come back on the next loop iteration."""
+        budget = self.moved + BUDGET
         while not self.closed:
             if self.in_pipe:
                 try:
@@ -121,6 +142,9 @@ class Splice:
                 return
             if self.paused:
                 self._watch_src(False)
+                return
+            if self.moved >= budget:
+                self._watch_src(True)  # (level-triggered: called again while bytes wait)
                 return
             try:
                 n = os.splice(self.src, self.w, min(self.to_read, self.cap), flags=_FLAGS)

@@ -284,8 +284,10 @@ class UpstreamConnection(asyncio.Protocol):
             return
         try:
             sp = splice.Splice(self.pool.loop, self, client, sock.fileno(), client.fd, self._stream_left)
-        except OSError as e:
-            log.info("upstream %s: no splice (%s); the reply streams through the proxy", self.label, e)
+        except OSError as e:  # (out of fds): counted, not logged per chunk
+            self.pool.stats["splice_failures"] += 1
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("upstream %s: no splice (%s); the reply streams through the proxy", self.label, e)
             return
         self._splice = sp
         self._stream_left = 0
