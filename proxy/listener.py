@@ -468,6 +468,21 @@ class ClientConnection(asyncio.Protocol):
         self.bytes_out += len(data)
         return t.get_write_buffer_size()
 
+    # a splice's sink (the rest of a streaming reply: proxy.splice), as the transport would be
+
+    def splice_wrote(self, n: int) -> None:
+        self.bytes_out += n
+
+    def splice_full(self) -> None:
+        self.pause_writing()
+
+    def splice_ready(self) -> None:
+        self.resume_writing()
+
+    def splice_broken(self, exc: OSError) -> None:
+        if self.transport is not None:  # its connection_lost abandons the upstream connection
+            self.transport.abort()
+
     def splice_target(self, call: Call):
         """This connection, when the rest of `call`'s streaming reply may go straight into its
         socket (proxy.splice): the reply is streaming to it and its transport holds nothing."""

@@ -1,22 +1,25 @@
-"""Moving the rest of a streaming reply from the upstream socket to the client's, in the kernel.
+"""Moving the rest of a large message from one socket to the other, in the kernel.
 
-A large framed reply streams (upstream.py). Once the client's transport holds nothing and at
-least `SPLICE_MIN` bytes of the reply are still to come, its connection hands them to a
-`Splice`: splice(2) moves them through a pipe, upstream socket → pipe → client socket, and no
-byte is copied to user space and back. On a 10 MB reply that is ~1.5 ms less proxy CPU and
-~1 ms less added latency than reading and writing them (bench/README.md).
+A large framed message passing through (a streaming reply, upstream.py; a streaming request,
+listener.py) is, once the transport it goes out on holds nothing and at least `SPLICE_MIN`
+bytes of it are still to come, handed to a `Splice`: splice(2) moves them through a pipe,
+source socket → pipe → sink socket, and no byte is copied to user space and back. On a 10 MB
+reply that is ~1/3 less proxy CPU and ~0.7 ms less added p50 than reading and writing them.
 
-What the connections see stays the same:
-- Backpressure. A client socket that takes no more bytes pauses the splice's reading, through
-  the client connection's own `pause_writing`/`resume_writing` (the transport would have called
-  them): its paused time is counted, its write-stall deadline armed, its reading paused.
-- The reply's end. Never a byte past it is read: the rest (if any) is the connection's to find.
-- Failures. The upstream closing or failing ends the stream as a lost connection does; the
-  client's socket failing closes the client's connection (its `connection_lost` abandons the
-  upstream one). Either way the splice's own fds are closed.
+The two connections stay in charge of what they own; a splice tells them what happens:
+- the source (`splice_read(n)` bytes taken, then `splice_done()` at the message's end, or
+  `splice_failed(why)`: its socket closed or failed first). Never a byte past the message is
+  read: what follows is the source connection's to read, through its transport, once it
+  resumes it.
+- the sink (`splice_wrote(n)`; `splice_full()` when its socket takes no more bytes and
+  `splice_ready()` when it does again, which is what its transport's pause_writing and
+  resume_writing would have said; `splice_broken(exc)`: writing failed).
+The source connection pauses and resumes the splice's reading (`pause`/`resume`) as it would
+its transport's; `cancel()` stops it where it is (bytes read but not written are dropped: the
+message will not be finished). The splice's own fds are closed whichever way it ends.
 
 Only plain TCP on both legs (no TLS) and only where os.splice exists (Linux); anything else
-streams through the transports as before.
+passes through the transports as before.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import fcntl
 import os
 import sys
 
-SPLICE_MIN = 1 << 20     # bytes of a reply still to come for a splice to be worth it (below it, the
+SPLICE_MIN = 1 << 20     # bytes of a message still to come for a splice to be worth it (below it, the
                          # setup's ~10 syscalls cost latency: a 945 KB reply spliced from 256 KiB
                          # on took 4% less CPU but ~8 µs more p50)
 PIPE_SIZE = 1 << 20      # the pipe's capacity asked for (the kernel may give 64 KiB only)
@@ -70,19 +73,18 @@ def close_idle_pipes() -> None:
 
 
 class Splice:
-    """One reply's remaining `total` bytes, upstream fd → client fd. `owner` (the upstream
-    connection) hears `splice_done()` or `splice_failed(why)`; `client` (the client connection)
-    has `bytes_out` counted and `pause_writing`/`resume_writing` called. The fds are dup'd, so
-    that the event loop can watch them beside the transports that own the originals (paused)."""
+    """`total` bytes from `src_fd` (the `source` connection's socket) to `dst_fd` (the `sink`'s).
+    The fds are dup'd, so that the event loop can watch them beside the transports that own the
+    originals (the source's transport does not read meanwhile, the sink's does not write)."""
 
-    __slots__ = ("loop", "owner", "client", "src", "dst", "r", "w", "cap", "to_read", "in_pipe",
-                 "reading", "writing", "paused", "client_paused", "closed", "moved")
+    __slots__ = ("loop", "source", "sink", "src", "dst", "r", "w", "cap", "to_read", "in_pipe",
+                 "reading", "writing", "paused", "full", "closed", "moved")
 
-    def __init__(self, loop, owner, client, src_fd: int, dst_fd: int, total: int) -> None:
+    def __init__(self, loop, source, sink, src_fd: int, dst_fd: int, total: int) -> None:
         """Raises OSError (out of fds): then nothing was kept open."""
         self.loop = loop
-        self.owner = owner
-        self.client = client
+        self.source = source
+        self.sink = sink
         self.src = os.dup(src_fd)
         try:
             self.dst = os.dup(dst_fd)
@@ -94,19 +96,19 @@ class Splice:
         except OSError:
             os.close(self.src)
             raise
-        self.to_read = total   # still in (or yet to reach) the upstream socket
-        self.in_pipe = 0       # read from upstream, not yet written to the client
+        self.to_read = total   # still in (or yet to reach) the source socket
+        self.in_pipe = 0       # read from the source, not yet written to the sink
         self.reading = False   # the loop watches src
-        self.writing = False   # the loop watches dst (the client socket was full)
-        self.paused = False    # backpressure: the client connection paused us
-        self.client_paused = False  # we paused the client connection's writing (its socket was full)
+        self.writing = False   # the loop watches dst (the sink socket was full)
+        self.paused = False    # the source connection paused us (backpressure)
+        self.full = False      # the sink heard splice_full() and not yet splice_ready()
         self.closed = False
-        self.moved = 0         # bytes written to the client
+        self.moved = 0         # bytes written to the sink
 
     def start(self) -> None:
         self._pump()
 
-    # -- the client connection's backpressure (through the upstream connection) ---------------
+    # -- backpressure from the source connection's side -----------------------------------
 
     def pause(self) -> None:
         self.paused = True
@@ -128,17 +130,19 @@ class Splice:
                 try:
                     m = os.splice(self.r, self.dst, self.in_pipe, flags=_FLAGS)
                 except BlockingIOError:
-                    self._client_full()
+                    self._sink_full()
                     return
                 except OSError as e:
-                    self._client_failed(e)
+                    self._close(False)
+                    self.sink.splice_broken(e)
                     return
                 self.in_pipe -= m
                 self.moved += m
-                self.client.bytes_out += m
+                self.sink.splice_wrote(m)
                 continue
             if not self.to_read:
-                self._finish()
+                self._close(True)
+                self.source.splice_done()
                 return
             if self.paused:
                 self._watch_src(False)
@@ -155,27 +159,28 @@ class Splice:
                 self._fail(f"{e.strerror or e}")
                 return
             if n == 0:
-                self._fail("closed by the upstream")
+                self._fail("connection closed")
                 return
             self.to_read -= n
             self.in_pipe += n
+            self.source.splice_read(n)
 
-    def _client_full(self) -> None:
+    def _sink_full(self) -> None:
         self._watch_src(False)
         if not self.writing:
             self.writing = True
             self.loop.add_writer(self.dst, self._writable)
-        if not self.client_paused:
-            self.client_paused = True
-            self.client.pause_writing()  # as the transport would: paused time, stall deadline
+        if not self.full:
+            self.full = True
+            self.sink.splice_full()
 
     def _writable(self) -> None:
         self.loop.remove_writer(self.dst)
         self.writing = False
         self._pump()  # the pipe first: if the socket is full again we wait again
-        if not self.closed and not self.writing and self.client_paused:
-            self.client_paused = False
-            self.client.resume_writing()  # (resumes our reading through resume())
+        if not self.closed and not self.writing and self.full:
+            self.full = False
+            self.sink.splice_ready()  # (may resume our reading through resume())
             if not self.closed and not self.paused:
                 self._pump()
 
@@ -189,23 +194,12 @@ class Splice:
 
     # -- ends ------------------------------------------------------------------------------
 
-    def _finish(self) -> None:
-        self._close(True)
-        self.owner.splice_done()
-
     def _fail(self, why: str) -> None:
         self._close(False)
-        self.owner.splice_failed(why)
-
-    def _client_failed(self, e: OSError) -> None:
-        """The client's socket failed: its connection closes (and abandons the upstream one)."""
-        self._close(False)
-        t = self.client.transport
-        if t is not None:
-            t.abort()
+        self.source.splice_failed(why)
 
     def cancel(self) -> None:
-        """Stop where it is (the upstream connection is being discarded)."""
+        """Stop where it is (the message will not be finished)."""
         self._close(False)
 
     def _close(self, clean: bool) -> None:
@@ -216,9 +210,9 @@ class Splice:
         if self.writing:
             self.writing = False
             self.loop.remove_writer(self.dst)
-        if self.client_paused:  # the client connection hears its socket is no longer ours
-            self.client_paused = False
-            self.client.resume_writing()
+        if self.full:  # the sink hears its socket is no longer the splice's
+            self.full = False
+            self.sink.splice_ready()
         os.close(self.src)
         os.close(self.dst)
         if clean and self.in_pipe == 0 and len(_idle_pipes) < PIPES_KEPT:

@@ -295,6 +295,11 @@ class UpstreamConnection(asyncio.Protocol):
         self.pool.stats["spliced"] += 1
         sp.start()
 
+    # -- a splice's source (its reply) or sink (a streaming request: listener.py) -------------
+
+    def splice_read(self, n: int) -> None:
+        pass  # (a spliced reply's size came with its head)
+
     def splice_done(self) -> None:
         """The spliced reply's last byte went to the client: this connection reads again (or is
         discarded: bytes past the reply came), then the exchange ends."""
@@ -322,6 +327,20 @@ class UpstreamConnection(asyncio.Protocol):
         if ex is not None:
             ex.on_failure(UpstreamError(f"connection to {self.label} lost after the request was written: {why}",
                                         written=True))
+
+    def splice_wrote(self, n: int) -> None:
+        pass
+
+    def splice_full(self) -> None:
+        self.pause_writing()  # (what the transport would have said: the client is held back)
+
+    def splice_ready(self) -> None:
+        self.resume_writing()
+
+    def splice_broken(self, exc: OSError) -> None:
+        """Writing a spliced request failed: the exchange fails as a lost connection does."""
+        self._fail(UpstreamError(f"connection to {self.label} lost while the request was being written: "
+                                 f"{exc.strerror or exc}", written=True))
 
     def _begin_unframed_stream(self, ex: Exchange) -> None:
         """An unframed reply is still incomplete after `stream_threshold` bytes: stream the rest?
