@@ -107,7 +107,7 @@ class Upload:
     """
 
     __slots__ = ("client", "call", "total", "received", "done", "tail", "held", "held_size", "paused",
-                 "timeout", "held_ns", "_held_at")
+                 "timeout", "held_ns", "_held_at", "splice")
 
     def __init__(self, client, total: int | None, held: list, tail=None) -> None:
         self.client = client                # the ClientConnection it arrives on
@@ -122,6 +122,7 @@ class Upload:
         self.timeout = 0.0                  # the route timeout, armed once the request is whole
         self.held_ns = 0
         self._held_at = 0
+        self.splice = None                  # moving the rest of it kernel to kernel (proxy.splice)
 
     def hold(self, on: bool) -> None:
         """Hold the client's reading back (on) or let it go on (off); the time is counted."""

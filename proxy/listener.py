@@ -26,6 +26,7 @@ from proxy.codec import Decoder, Framing, Head, MessageType, Protocol, ProtocolE
 from proxy.codec import AppErrorType
 from proxy.codec.message import Message
 from proxy.codec.wire import F_BUFFERED, F_FRAMED, M_CALL, M_ONEWAY
+from proxy import splice
 from proxy.calls import NOT_SENT, TIMEOUT, Call, Upload
 from proxy.pipeline import PREFIX
 from proxy.sockets import set_nodelay, unsent_bytes
@@ -282,6 +283,8 @@ class ClientConnection(asyncio.Protocol):
         if not last:
             up.received += n
             call.pipeline.upload_data(call, data, False)
+            if up.total is not None and up.total - up.received >= splice.SPLICE_MIN and splice.available:
+                self._splice_upload(up)
             return None
         self.upload = None
         up.call = None  # (the call keeps its Upload: no call <-> upload cycle left for the GC)
@@ -295,6 +298,63 @@ class ClientConnection(asyncio.Protocol):
                 self._read_timer = None
             return None
         return data[left:]
+
+    def _splice_upload(self, up: Upload) -> None:
+        """The rest of a framed request goes client socket → upstream socket by splice(2)
+        (proxy.splice) once its connection is writing it and that transport holds nothing."""
+        a = up.call.attempt
+        conn = a.upconn if a is not None else None
+        if (conn is None or conn.upload is not up or conn.closed or conn.pool.ssl is not None or up.paused
+                or self.closing or self.fd < 0 or conn.transport.get_write_buffer_size()):
+            return
+        sock = conn.transport.get_extra_info("socket")
+        if sock is None:
+            return
+        try:
+            sp = splice.Splice(self.state.loop, self, conn, self.fd, sock.fileno(), up.total - up.received)
+        except OSError:
+            conn.pool.stats["splice_failures"] += 1
+            return
+        conn.pool.stats["spliced_requests"] += 1
+        up.splice = sp
+        if not self.paused_reading:  # its bytes are the splice's to read now
+            self.paused_reading = True
+            self.transport.pause_reading()
+        sp.start()
+
+    # a splice's source (the rest of a streaming request)
+
+    def splice_read(self, n: int) -> None:
+        self.upload.received += n
+
+    def splice_done(self) -> None:
+        """The spliced request's last byte is upstream: as when its last read came."""
+        up = self.upload
+        up.splice = None
+        call = up.call
+        self.upload = None
+        up.call = None
+        up.done = True
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+        call.pipeline.upload_data(call, b"", True)
+        self._maybe_resume()  # (the next request, if any, is the transport's to read)
+
+    def splice_failed(self, why: str) -> None:
+        """The client's socket closed (or failed) inside the spliced request."""
+        up = self.upload
+        up.splice = None
+        self._upload_broken(f"bad request: connection closed inside a request ({up.progress()})")
+
+    def stop_upload_splice(self, up: Upload) -> None:
+        """The request will not be finished (its attempt stopped, the client is gone): the
+        splice stops; the rest of it, if the connection goes on, is read (and dropped) as usual."""
+        sp = up.splice
+        if sp is not None:
+            up.splice = None
+            sp.cancel()
+            self._maybe_resume()
 
     def hold_upload(self, on: bool) -> None:
         """Pause reading while a streaming request cannot go on (the upstream is not taking it,
@@ -318,6 +378,7 @@ class ClientConnection(asyncio.Protocol):
         """The streaming request will not be finished: its call is answered with `text` (unless
         it was already), then the connection closes after the replies."""
         up = self.upload
+        self.stop_upload_splice(up)
         self.upload = None
         self._upload_held = False
         self.closing = True
@@ -364,6 +425,7 @@ class ClientConnection(asyncio.Protocol):
         self.closing = True
         self.state.connections.discard(self)
         if self.upload is not None:  # gone mid-request: the call is cancelled below
+            self.stop_upload_splice(self.upload)
             self.upload.call = None
             self.upload = None
         for t in (self._read_timer, self._idle_timer, self._linger, self._stall_timer):
@@ -568,7 +630,8 @@ class ClientConnection(asyncio.Protocol):
 
     def _maybe_resume(self) -> None:
         if (self.paused_reading and not self.paused_writing and not self.closing and not self._upload_held
-                and len(self.queue) < self.state.settings.max_inflight):
+                and len(self.queue) < self.state.settings.max_inflight
+                and (self.upload is None or self.upload.splice is None)):
             self.paused_reading = False
             self.transport.resume_reading()
             if self.upload is not None and self._read_timer is None:

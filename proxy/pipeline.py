@@ -178,7 +178,8 @@ class Pipeline:
         a = call.attempt
         conn = a.upconn if a is not None else None
         if conn is not None and conn.upload is up and not conn.closed:
-            conn.transport.write(data)
+            if data:  # (a spliced request's end comes with none)
+                conn.transport.write(data)
             if last:
                 conn.upload = None
                 a.t_written = monotonic_ns()

@@ -78,8 +78,8 @@ class Pool:
         self.closed = False
         self._sweep: asyncio.TimerHandle | None = None
         self.stats = {"connects": 0, "connect_failures": 0, "acquire_timeouts": 0, "evicted": 0,
-                      "spliced": 0, "spliced_bytes": 0,  # streaming replies passed by splice(2)
-                      "splice_failures": 0}               # ...or not: no fd or pipe to be had
+                      # large messages passed by splice(2) (proxy.splice), or not (no fd or pipe to be had)
+                      "spliced_replies": 0, "spliced_requests": 0, "spliced_bytes": 0, "splice_failures": 0}
 
     # -- the acquire hop ------------------------------------------------------
 
@@ -151,7 +151,6 @@ class Pool:
     # -- lifecycle work (tasks are fine here: not per call) --------------------
 
     async def _connect(self, w: Waiter) -> None:
-        loop = self.loop
         s = self.settings
         try:
             try:

@@ -292,20 +292,18 @@ class UpstreamConnection(asyncio.Protocol):
         self._splice = sp
         self._stream_left = 0
         self.transport.pause_reading()
-        self.pool.stats["spliced"] += 1
+        self.pool.stats["spliced_replies"] += 1
         sp.start()
 
     # -- a splice's source (its reply) or sink (a streaming request: listener.py) -------------
 
     def splice_read(self, n: int) -> None:
-        pass  # (a spliced reply's size came with its head)
+        self.pool.stats["spliced_bytes"] += n  # (a spliced reply's size came with its head)
 
     def splice_done(self) -> None:
         """The spliced reply's last byte went to the client: this connection reads again (or is
         discarded: bytes past the reply came), then the exchange ends."""
-        sp = self._splice
         self._splice = None
-        self.pool.stats["spliced_bytes"] += sp.moved
         ex = self.exchange_
         self.exchange_ = None
         sock = self.transport.get_extra_info("socket")
@@ -329,7 +327,7 @@ class UpstreamConnection(asyncio.Protocol):
                                         written=True))
 
     def splice_wrote(self, n: int) -> None:
-        pass
+        self.pool.stats["spliced_bytes"] += n
 
     def splice_full(self) -> None:
         self.pause_writing()  # (what the transport would have said: the client is held back)
@@ -489,8 +487,10 @@ class UpstreamConnection(asyncio.Protocol):
         sp = self._splice
         if sp is not None:
             self._splice = None
-            self.pool.stats["spliced_bytes"] += sp.moved
             sp.cancel()
+        up = self.upload  # a streaming request spliced onto this connection: it stops with it
+        if up is not None and up.splice is not None:
+            up.client.stop_upload_splice(up)
 
     def _discard(self) -> None:
         if not self.closed:

@@ -1,6 +1,6 @@
 """The rest of a large streaming reply goes upstream socket → client socket by splice(2).
 
-Every test checks that the splice did happen (the pool's `spliced` count), so that none of them
+Every test checks that the splice did happen (the pool's `spliced_replies` or `spliced_requests` count), so that none of them
 passes by streaming through the transports instead."""
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def test_a_large_reply_is_spliced_byte_exact_and_its_connection_reused():
                 s.sendall(request_bytes("framed", "binary", "ping", seqid=3))  # after it, on the same
                 assert len(_read_reply(s)) == PING_REPLY  # upstream connection
             stats = _stats(p)
-        assert stats["spliced"] == 2, stats
+        assert stats["spliced_replies"] == 2, stats
         # (from the first read after which the client's transport held nothing: timing decides)
         assert 2 * (1 << 20) <= stats["spliced_bytes"] <= 2 * 10_000_000, stats
         assert stats["connects"] == 1 and up.connections == 1
@@ -136,7 +136,7 @@ def test_a_generated_client_gets_spliced_replies():
                     big = os.urandom(size)
                     assert c.echo(big) == big
             stats = _stats(p)
-        assert stats["spliced"] == 2, stats
+        assert stats["spliced_replies"] == 2, stats
     finally:
         up.stop()
 
@@ -161,7 +161,7 @@ def test_a_slow_reader_gets_every_byte_and_its_pauses_are_counted():
                 assert len(_read_reply(s)) == PING_REPLY
             wait_for(lambda: len(done) == 2, 5, "both calls recorded")
             stats = _stats(p)
-        assert stats["spliced"] == 1, stats
+        assert stats["spliced_replies"] == 1, stats
         (call,) = [c for c in done if c.msg.name == "echo"]
         assert call.streamed and call.outcome == "success"
         assert call.client_paused_ns > 100_000_000, call.client_paused_ns  # ~450 ms of reading
@@ -188,7 +188,7 @@ def test_upstream_reset_mid_splice_closes_only_that_client():
             assert call.streamed and call.outcome == "may_have_run"
             assert "lost after the request was written" in call.error, call.error
             stats = _stats(p)
-            assert stats["spliced"] == 1, stats
+            assert stats["spliced_replies"] == 1, stats
             up.die_after = None
             with socket.create_connection(("127.0.0.1", p.port())) as s:  # others are served
                 s.settimeout(10)
@@ -211,7 +211,7 @@ def test_client_gone_mid_splice_discards_the_upstream_connection():
                 s.sendall(request_bytes("framed", "binary", "echo", b"", seqid=7))
                 s.settimeout(10)
                 assert s.recv(65536)
-                wait_for(lambda: _stats(p).get("spliced", 0) >= 1, 5, "the splice started")
+                wait_for(lambda: _stats(p).get("spliced_replies", 0) >= 1, 5, "the splice started")
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 s.close()  # reset, mid-reply
                 wait_for(lambda: _stats(p)["open"] == 0, 5, "the upstream connection discarded")
@@ -220,7 +220,7 @@ def test_client_gone_mid_splice_discards_the_upstream_connection():
                 s.sendall(request_bytes("framed", "binary", "ping", seqid=8))
                 assert len(_read_reply(s)) == PING_REPLY
             stats = _stats(p)
-            assert stats["spliced"] == 3, stats
+            assert stats["spliced_replies"] == 3, stats
             assert stats["connects"] == 4, stats
             wait_for(lambda: _no_leftovers(pipes), 5, "no fd left open by the cut splices")
     finally:
@@ -241,6 +241,153 @@ def test_a_client_that_stops_reading_mid_splice_is_closed_as_a_write_stall():
                 assert s.recv(65536)  # then nothing more is read
                 wait_for(lambda: state.stats["write_stalls"] == 1, 10, "the stalled client closed")
             stats = _stats(p)
-            assert stats["spliced"] == 1, stats
+            assert stats["spliced_replies"] == 1, stats
+    finally:
+        up.close()
+
+
+# -- the other way: the rest of a large framed request, client socket → upstream socket ----------
+
+from test_upload import RecordingUpstream, StalledUpstream, _echo_request, _exception, _reply_text  # noqa: E402
+
+from harness import read_messages  # noqa: E402
+from proxy.codec import AppErrorType, MessageType  # noqa: E402
+
+
+def test_a_large_request_is_spliced_upstream_byte_exact_and_the_next_one_read_as_usual():
+    """A 10 MB request whose second part comes with a ping right behind it (in the same write):
+    the splice reads up to the request's last byte, the listener reads the ping."""
+    up = RecordingUpstream()
+    big = _echo_request(10_000_000, seqid=11)
+    ping = request_bytes("framed", "binary", "ping", seqid=12)
+    try:
+        with Proxy(_config(up.address)) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(big[:2_000_000])
+                wait_for(lambda: _stats(p).get("spliced_requests") == 1, 5, "the request spliced")
+                s.sendall(big[2_000_000:] + ping)
+                echo, pong = read_messages(s, 2, "framed", "binary")
+            stats = _stats(p)
+    finally:
+        up.close()
+    assert echo.seqid == 11 and _reply_text(echo) == hashlib.sha256(big).hexdigest().encode()
+    assert pong.seqid == 12 and pong.type == MessageType.REPLY
+    assert sorted(up.requests, key=len) == [ping, big]  # (the ping on a second connection, the first busy)
+    assert stats["spliced_requests"] == 1 and stats["spliced_bytes"] >= 7_000_000, stats
+
+
+class StallingRecordingUpstream(RecordingUpstream):
+    """A RecordingUpstream that stops reading for 300 ms once it has 2 MB, through a small
+    receive buffer: the proxy's writes to it back up, then drain."""
+
+    def __init__(self) -> None:
+        self.stalled = False
+        super().__init__()
+
+    def _read(self, c: socket.socket) -> bytes | None:
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        if self.received >= 2_000_000 and not self.stalled:
+            self.stalled = True
+            time.sleep(0.3)
+        return super()._read(c)
+
+
+def test_a_spliced_request_to_a_stalling_upstream_arrives_byte_exact():
+    """The upstream's socket fills (the client is held back), drains, and then the splice waits
+    for the client's next bytes: the client's transport must still not read them (it would take
+    them out of the splice's stream)."""
+    up = StallingRecordingUpstream()
+    big = _echo_request(8_000_000, seqid=16)
+    ping = request_bytes("framed", "binary", "ping", seqid=17)
+    done = []
+    try:
+        with Proxy(_config(up.address)) as p:
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(big[:1_500_000])
+                wait_for(lambda: _stats(p).get("spliced_requests") == 1, 5, "the request spliced")
+                s.sendall(big[1_500_000:4_500_000])  # meets the stall
+                wait_for(lambda: up.received >= 4_400_000, 10, "the stall over")
+                time.sleep(0.1)  # the splice waits for the client now
+                for at in range(4_500_000, len(big), 500_000):
+                    s.sendall(big[at:at + 500_000])
+                    time.sleep(0.02)
+                s.sendall(ping)
+                replies = read_messages(s, 2, "framed", "binary", timeout=30)
+            wait_for(lambda: len(done) == 2, 5, "both calls recorded")
+    finally:
+        up.close()
+    echo, pong = sorted(replies, key=lambda m: m.seqid)
+    assert echo.seqid == 16 and _reply_text(echo) == hashlib.sha256(big).hexdigest().encode()
+    assert pong.seqid == 17 and pong.type == MessageType.REPLY
+    (call,) = [c for c in done if c.msg.name == "echo"]
+    assert call.upload.held_ns > 0  # the upstream held the client back
+
+
+def test_a_client_half_closing_inside_a_spliced_request_is_answered_with_its_seqid():
+    up = RecordingUpstream()
+    big = _echo_request(6_000_000, seqid=13)
+    try:
+        with Proxy(_config(up.address)) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(big[:3_000_000])
+                wait_for(lambda: _stats(p).get("spliced_requests") == 1, 5, "the request spliced")
+                wait_for(lambda: up.received >= 3_000_000, 5, "what was sent upstream")
+                s.shutdown(socket.SHUT_WR)
+                (err,) = read_messages(s, 1, "framed", "binary")
+                s.settimeout(5)
+                assert s.recv(1) == b""  # then the proxy closes
+            assert up.closed_by_peer.wait(5), "the upstream connection holding part of a request stayed open"
+    finally:
+        up.close()
+    kind, text = _exception(err)
+    assert err.seqid == 13 and kind == AppErrorType.PROTOCOL_ERROR
+    assert f"connection closed inside a request (3000000 of {len(big)} bytes received)" in text, text
+
+
+def test_an_upstream_not_taking_a_spliced_request_is_blamed_and_the_client_held_back():
+    up = StalledUpstream()
+    big = _echo_request(40_000_000, seqid=14)
+    done = []
+    try:
+        with Proxy(_config(up.address, "\n    request_read_timeout: 1s")) as p:
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.settimeout(10)
+                sent = 0
+                try:
+                    while sent < len(big):
+                        sent += s.send(big[sent:sent + (1 << 20)])
+                except OSError:
+                    pass  # (the proxy stopped reading, then closed after its answer)
+                (err,) = read_messages(s, 1, "framed", "binary")
+            wait_for(lambda: done, 5, "the call recorded")
+            stats = _stats(p)
+    finally:
+        up.close()
+    kind, text = _exception(err)
+    assert err.seqid == 14 and kind == AppErrorType.INTERNAL_ERROR
+    assert "may have run: " in text and "took no more of the request within request_read_timeout 1s" in text, text
+    assert int(text.split("(")[1].split(" of ")[0]) < 20_000_000, text  # held back, not read on
+    assert stats["spliced_requests"] == 1, stats
+    (call,) = done
+    assert call.upload.held_ns > 500_000_000  # most of the second was the upstream's doing
+
+
+def test_a_client_reset_inside_a_spliced_request_closes_that_upstream_connection():
+    up = RecordingUpstream()
+    big = _echo_request(6_000_000, seqid=15)
+    _, pipes = _leftovers()
+    try:
+        with Proxy(_config(up.address)) as p:
+            s = socket.create_connection(("127.0.0.1", p.port()))
+            s.sendall(big[:3_000_000])
+            wait_for(lambda: _stats(p).get("spliced_requests") == 1, 5, "the request spliced")
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()
+            assert up.closed_by_peer.wait(5), "the upstream connection holding part of a request stayed open"
+            with client(p.port()) as c:  # the proxy goes on
+                c.ping()
+            wait_for(lambda: _no_leftovers(pipes), 5, "no fd left open by the cut splice")
     finally:
         up.close()
