@@ -177,9 +177,7 @@ class ClientConnection(asyncio.Protocol):
             return
         limit = self.state.settings.max_inflight
         if len(self.queue) >= limit and self.upload is None:  # (an upload's bytes are its counted call's)
-            if self._read_timer is not None:  # bytes we hold back are not the client's delay
-                self._read_timer.cancel()
-                self._read_timer = None
+            self._disarm_read()  # bytes we hold back are not the client's delay
             if not self.paused_reading:
                 self.paused_reading = True
                 self.transport.pause_reading()
@@ -293,9 +291,7 @@ class ClientConnection(asyncio.Protocol):
         up.done = True
         call.pipeline.upload_data(call, data if n == left else memoryview(data)[:left], True)
         if n == left:
-            if self._read_timer is not None:
-                self._read_timer.cancel()
-                self._read_timer = None
+            self._disarm_read()
             return None
         return data[left:]
 
@@ -326,6 +322,8 @@ class ClientConnection(asyncio.Protocol):
 
     def splice_read(self, n: int) -> None:
         self.upload.received += n
+        if self._idle_timer is not None:  # (the transport, which would say so, reads nothing now)
+            self._last_active = monotonic_ns()
 
     def splice_done(self) -> None:
         """The spliced request's last byte is upstream: as when its last read came."""
@@ -335,16 +333,18 @@ class ClientConnection(asyncio.Protocol):
         self.upload = None
         up.call = None
         up.done = True
-        if self._read_timer is not None:
-            self._read_timer.cancel()
-            self._read_timer = None
+        self._disarm_read()
         call.pipeline.upload_data(call, b"", True)
         self._maybe_resume()  # (the next request, if any, is the transport's to read)
 
-    def splice_failed(self, why: str) -> None:
-        """The client's socket closed (or failed) inside the spliced request."""
+    def splice_failed(self, why: str, error: OSError | None) -> None:
+        """The client's socket closed (`error` None: answered as a half-close is) or failed (the
+        client is gone: its connection_lost cancels the call) inside the spliced request."""
         up = self.upload
         up.splice = None
+        if error is not None:
+            self.transport.abort()
+            return
         self._upload_broken(f"bad request: connection closed inside a request ({up.progress()})")
 
     def stop_upload_splice(self, up: Upload) -> None:
@@ -378,13 +378,11 @@ class ClientConnection(asyncio.Protocol):
         """The streaming request will not be finished: its call is answered with `text` (unless
         it was already), then the connection closes after the replies."""
         up = self.upload
-        self.stop_upload_splice(up)
         self.upload = None
         self._upload_held = False
         self.closing = True
-        if self._read_timer is not None:
-            self._read_timer.cancel()
-            self._read_timer = None
+        self.stop_upload_splice(up)  # (after `closing`: nothing resumes the transport's reading)
+        self._disarm_read()
         call = up.call
         up.call = None
         if outcome is None:
@@ -709,9 +707,7 @@ class ClientConnection(asyncio.Protocol):
             self.queue.append(err)
         if e.close:
             self.closing = True
-            if self._read_timer is not None:
-                self._read_timer.cancel()
-                self._read_timer = None
+            self._disarm_read()
         if self.queue and self.queue[0].reply is not None:
             self.call_done(self.queue[0])
         elif self.closing and not self.queue:
@@ -734,6 +730,11 @@ class ClientConnection(asyncio.Protocol):
             self._linger = self.state.loop.call_later(LINGER, t.close)
 
     # -- timers -----------------------------------------------------------------
+
+    def _disarm_read(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
 
     def _arm_read_timer(self, t_first: int) -> None:
         timeout = self.state.settings.request_read_timeout

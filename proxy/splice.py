@@ -8,7 +8,7 @@ reply that is ~1/3 less proxy CPU and ~0.7 ms less added p50 than reading and wr
 
 The two connections stay in charge of what they own; a splice tells them what happens:
 - the source (`splice_read(n)` bytes taken, then `splice_done()` at the message's end, or
-  `splice_failed(why)`: its socket closed or failed first). Never a byte past the message is
+  `splice_failed(why, error)`: its socket closed (error None) or failed first). Never a byte past the message is
   read: what follows is the source connection's to read, through its transport, once it
   resumes it.
 - the sink (`splice_wrote(n)`; `splice_full()` when its socket takes no more bytes and
@@ -156,10 +156,10 @@ class Splice:
                 self._watch_src(True)  # nothing more in the socket yet
                 return
             except OSError as e:
-                self._fail(f"{e.strerror or e}")
+                self._fail(f"{e.strerror or e}", e)
                 return
             if n == 0:
-                self._fail("connection closed")
+                self._fail("connection closed", None)
                 return
             self.to_read -= n
             self.in_pipe += n
@@ -194,9 +194,9 @@ class Splice:
 
     # -- ends ------------------------------------------------------------------------------
 
-    def _fail(self, why: str) -> None:
+    def _fail(self, why: str, error: OSError | None) -> None:
         self._close(False)
-        self.source.splice_failed(why)
+        self.source.splice_failed(why, error)
 
     def cancel(self) -> None:
         """Stop where it is (the message will not be finished)."""

@@ -316,7 +316,7 @@ class UpstreamConnection(asyncio.Protocol):
             self.pool.release(self)
         ex.stream_end()
 
-    def splice_failed(self, why: str) -> None:
+    def splice_failed(self, why: str, error: OSError | None) -> None:
         """The upstream socket closed or failed mid-reply (bytes went to the client already)."""
         self._stop_splice()
         ex = self.exchange_

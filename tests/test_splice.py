@@ -391,3 +391,54 @@ def test_a_client_reset_inside_a_spliced_request_closes_that_upstream_connection
             wait_for(lambda: _no_leftovers(pipes), 5, "no fd left open by the cut splice")
     finally:
         up.close()
+
+
+def test_idle_timeout_counts_spliced_request_bytes_as_activity():
+    """A client sending a spliced request for ~1.6 s (idle_timeout 1s), then its next request 0.2 s
+    after the reply, is not idle: it sent bytes all along."""
+    up = RecordingUpstream()
+    big = _echo_request(6_000_000, seqid=21)
+    try:
+        with Proxy(_config(up.address, "\n    idle_timeout: 1s")) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(big[:2_000_000])
+                wait_for(lambda: _stats(p).get("spliced_requests") == 1, 5, "the request spliced")
+                for at in range(2_000_000, len(big), 500_000):  # ~1.6 s of sending
+                    time.sleep(0.2)
+                    s.sendall(big[at:at + 500_000])
+                (echo,) = read_messages(s, 1, "framed", "binary")
+                assert echo.seqid == 21
+                time.sleep(0.2)
+                s.sendall(request_bytes("framed", "binary", "ping", seqid=22))
+                (pong,) = read_messages(s, 1, "framed", "binary")
+                assert pong.seqid == 22
+    finally:
+        up.close()
+
+
+@pytest.mark.parametrize("spliced", [False, True])
+def test_a_client_reset_inside_a_request_cancels_its_call_spliced_or_not(spliced):
+    """A client that resets mid-request went away: its call is cancelled (as through the
+    transport), not answered and recorded as the client's bad request."""
+    up = RecordingUpstream()
+    big = _echo_request(6_000_000, seqid=61)
+    done = []
+    try:
+        with Proxy(_config(up.address)) as p:
+            pipeline = p.server.listeners["test"].pipeline
+            pipeline.on_complete = done.append
+            p.call(lambda: setattr(splice, "available", spliced))
+            s = socket.create_connection(("127.0.0.1", p.port()))
+            s.sendall(big[:3_000_000])
+            wait_for(lambda: up.received >= 3_000_000, 5, "what was sent upstream")
+            assert _stats(p)["spliced_requests"] == int(spliced)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()
+            assert up.closed_by_peer.wait(5), "the upstream connection holding part of a request stayed open"
+            time.sleep(0.2)
+            errors = p.call(lambda: pipeline.stats["errors"])
+    finally:
+        splice.available = True
+        up.close()
+    assert [(c.outcome, c.error) for c in done if not c.cancelled] == []
+    assert errors == 0
