@@ -12,6 +12,11 @@ Timers are `loop.call_at` handles, armed only when needed: the request read
 deadline once a request has started, the idle deadline when nothing is open.
 A peer's malformed bytes get a PROTOCOL_ERROR reply and a lingering close, so
 the client can read the reply before the socket goes away.
+
+A large request streams upstream as it arrives (`_maybe_upload`, `calls.Upload`); once its
+upstream connection's transport holds nothing and over `splice.SPLICE_MIN` of a framed one is
+still to come, the rest goes by splice(2) (`_splice_upload`), this connection's transport not
+reading meanwhile. The other way, it is a splice's sink for a streaming reply (`splice_target`).
 """
 
 from __future__ import annotations
