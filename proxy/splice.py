@@ -8,9 +8,9 @@ reply that is ~1/3 less proxy CPU and ~0.7 ms less added p50 than reading and wr
 
 The two connections stay in charge of what they own; a splice tells them what happens:
 - the source (`splice_read(n)` bytes taken, then `splice_done()` at the message's end, or
-  `splice_failed(why, error)`: its socket closed (error None) or failed first). Never a byte past the message is
-  read: what follows is the source connection's to read, through its transport, once it
-  resumes it.
+  `splice_failed(why, error)`: its socket closed (error None) or failed first). Never a byte
+  past the message is read: what follows is the source connection's to read, through its
+  transport, once it resumes it.
 - the sink (`splice_wrote(n)`; `splice_full()` when its socket takes no more bytes and
   `splice_ready()` when it does again, which is what its transport's pause_writing and
   resume_writing would have said; `splice_broken(exc)`: writing failed).
@@ -18,8 +18,8 @@ The source connection pauses and resumes the splice's reading (`pause`/`resume`)
 its transport's; `cancel()` stops it where it is (bytes read but not written are dropped: the
 message will not be finished). The splice's own fds are closed whichever way it ends.
 
-Only plain TCP on both legs (no TLS) and only where os.splice exists (Linux); anything else
-passes through the transports as before.
+Only where os.splice exists (Linux) and never for a TLS upstream (listeners have no TLS);
+anything else passes through the transports as before.
 """
 
 from __future__ import annotations
