@@ -286,7 +286,7 @@ class ClientConnection(asyncio.Protocol):
         if not last:
             up.received += n
             call.pipeline.upload_data(call, data, False)
-            if up.total is not None and up.total - up.received >= splice.SPLICE_MIN and splice.available:
+            if up.total is not None and up.total - up.received >= splice.SPLICE_MIN:
                 self._splice_upload(up)
             return None
         self.upload = None
@@ -305,7 +305,7 @@ class ClientConnection(asyncio.Protocol):
         (proxy.splice) once its connection is writing it and that transport holds nothing."""
         a = up.call.attempt
         conn = a.upconn if a is not None else None
-        if (conn is None or conn.upload is not up or conn.closed or conn.pool.ssl is not None or up.paused
+        if (conn is None or conn.upload is not up or conn.closed or not conn.spliceable or up.paused
                 or self.closing or self.fd < 0 or conn.transport.get_write_buffer_size()):
             return
         sock = conn.transport.get_extra_info("socket")

@@ -269,12 +269,16 @@ class UpstreamConnection(asyncio.Protocol):
         n = len(data)
         if n < left:
             self._stream_left = left = left - n
-            if (not ex.stream_data(data) and left >= splice.SPLICE_MIN and splice.available
-                    and self.pool.ssl is None):
+            if not ex.stream_data(data) and left >= splice.SPLICE_MIN and self.spliceable:
                 self._start_splice(ex)
             return
         self._stream_left = 0
         self._stream_last(ex, data, left)
+
+    @property
+    def spliceable(self) -> bool:
+        """Its socket may be a splice's end (proxy.splice): plain TCP, where splice(2) exists."""
+        return splice.available and self.pool.ssl is None
 
     def _start_splice(self, ex: Exchange) -> None:
         """The client's transport holds nothing: the rest of the reply goes kernel to kernel."""
@@ -311,20 +315,14 @@ class UpstreamConnection(asyncio.Protocol):
             log.info("upstream %s sent bytes past its reply; closing that connection", self.label)
             self._discard()
         else:
-            self.paused = False
-            self.transport.resume_reading()
+            self.resume_reading()  # (the splice paused the transport)
             self.pool.release(self)
         ex.stream_end()
 
     def splice_failed(self, why: str, error: OSError | None) -> None:
         """The upstream socket closed or failed mid-reply (bytes went to the client already)."""
-        self._stop_splice()
-        ex = self.exchange_
-        self.exchange_ = None
-        self._discard()
-        if ex is not None:
-            ex.on_failure(UpstreamError(f"connection to {self.label} lost after the request was written: {why}",
-                                        written=True))
+        self._fail(UpstreamError(f"connection to {self.label} lost after the request was written: {why}",
+                                 written=True))
 
     def splice_wrote(self, n: int) -> None:
         self.pool.stats["spliced_bytes"] += n
