@@ -557,14 +557,30 @@ class Pipeline:
 
     # timeouts -------------------------------------------------------------------
 
-    def _attempt_timeout(self, attempt: Attempt, per_try: float, rechecked: bool = False) -> None:
+    def _attempt_timeout(self, attempt: Attempt, per_try: float, credited: int = 0, rechecked: bool = False) -> None:
         timer = attempt.timer
         attempt.timer = None
         if attempt.ended:
             return
         if not rechecked and timer is not None and self.loop.time() - timer.when() > STALL_GRACE:
             # the loop was stalled past the deadline: a reply that came meanwhile is read first
-            attempt.timer = self.loop.call_later(STALL_RECHECK, self._attempt_timeout, attempt, per_try, True)
+            attempt.timer = self.loop.call_later(STALL_RECHECK, self._attempt_timeout, attempt, per_try,
+                                                 credited, True)
+            return
+        call = attempt.call
+        if call.streamed:
+            # As for the route timeout (_call_timeout): time the client held the stream back is
+            # not the upstream's, and the deadline moves by it.
+            paused = call.conn.paused_ns(call)
+            if paused > credited:
+                due = timer.when() if timer is not None else self.loop.time()
+                attempt.timer = self.loop.call_at(due + (paused - credited) / 1e9,
+                                                  self._attempt_timeout, attempt, per_try, paused)
+                return
+            if attempt.upconn is not None:
+                attempt.upconn.abandon()
+            self.stats["timeouts"] += 1
+            self._stream_failed(attempt, f"per-try timeout {_ms(per_try)}")
             return
         self.stats["timeouts"] += 1
         self.attempt_failed(attempt, self._stop_attempt(attempt, f"per-try timeout {_ms(per_try)}"))

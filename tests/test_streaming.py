@@ -360,12 +360,19 @@ def _timeout_config(upstream: str, timeout: str) -> str:
     return _big_config(upstream).replace("      - cluster: up", f"      - cluster: up\n        timeout: {timeout}")
 
 
-def test_slow_reader_of_a_streamed_reply_is_not_cut_by_the_route_timeout():
-    """The route timeout bounds the upstream side: time the client holds a stream back does not
-    count (as when a reply is read whole), so a slow but steady reader gets all of it."""
+def _per_try_config(upstream: str, timeout: str) -> str:
+    return _big_config(upstream).replace(
+        "      - cluster: up", f"      - cluster: up\n        retry: {{per_try_timeout: {timeout}}}")
+
+
+@pytest.mark.parametrize("config", [_timeout_config, _per_try_config], ids=["timeout", "per_try_timeout"])
+def test_slow_reader_of_a_streamed_reply_is_not_cut_by_the_route_timeout(config):
+    """The route timeout and the per-try timeout bound the upstream side: time the client holds
+    a stream back does not count (as when a reply is read whole), so a slow but steady reader
+    gets all of it."""
     up = RawBigUpstream(16_000_000)  # far more than the kernel buffers hold: the stream pauses
     try:
-        with Proxy(_timeout_config(f"127.0.0.1:{up.port}", "200ms")) as p:
+        with Proxy(config(f"127.0.0.1:{up.port}", "200ms")) as p:
             s = socket.socket()
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
             s.connect(("127.0.0.1", p.port()))
@@ -400,10 +407,11 @@ class StallingUpstream(RawUpstream):
             c.sendall(struct.pack("!i", len(head) + len(field) + size + 1) + head + field + b"s" * 200_000)
 
 
-def test_upstream_stalling_mid_stream_still_times_out():
+@pytest.mark.parametrize("config", [_timeout_config, _per_try_config], ids=["timeout", "per_try_timeout"])
+def test_upstream_stalling_mid_stream_still_times_out(config):
     up = StallingUpstream()
     try:
-        with Proxy(_timeout_config(f"127.0.0.1:{up.port}", "400ms")) as p:
+        with Proxy(config(f"127.0.0.1:{up.port}", "400ms")) as p:
             with socket.create_connection(("127.0.0.1", p.port())) as s:
                 s.sendall(request_bytes("framed", "binary", "echo", b"", seqid=4))
                 s.settimeout(5)
