@@ -445,7 +445,7 @@ class ClientConnection(asyncio.Protocol):
             up.abandon()
             a = call.attempt
             if a is not None and not a.ended:
-                call.pipeline._stream_failed(a, "the client closed its connection")
+                call.pipeline._stream_failed(a, "the client closed its connection", blame=False)
         if self._ack_poll is not None:
             self._ack_poll.cancel()
             self._ack_poll = None

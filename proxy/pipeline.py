@@ -216,7 +216,10 @@ class Pipeline:
         a = call.attempt
         if a is not None and not a.ended:
             self._stop_attempt(a, "request cut")
-            self._drop_attempt(a, text, calls.MAY_HAVE_RUN if call.written else calls.NOT_SENT)
+            # the client's doing (it closed, or was too slow) says nothing about the endpoint;
+            # an upstream not taking the bytes (TIMEOUT) does
+            self._drop_attempt(a, text, calls.MAY_HAVE_RUN if call.written else calls.NOT_SENT,
+                               blame=outcome is not calls.BAD_REQUEST)
         self._cancel_backoff(call)
         call.outcome = outcome
         self.fail(call, app_type, text)
@@ -464,8 +467,11 @@ class Pipeline:
             attempt.endpoint.outstanding -= 1
             attempt.upconn = None
 
-    def _end_attempt(self, attempt: Attempt, outcome: str, endpoint_fault: bool = True) -> None:
-        """Record an attempt's outcome once: breaker, limits, timers."""
+    def _end_attempt(self, attempt: Attempt, outcome: str, endpoint_fault: bool = True,
+                     blame: bool = True) -> None:
+        """Record an attempt's outcome once: breaker, limits, timers. `blame` False: it ended
+        because of the client (gone, or its request cut), which says nothing about the endpoint
+        whatever the outcome (the breaker only releases the attempt's probe slot, if any)."""
         if attempt.ended:
             return
         attempt.ended = True
@@ -475,7 +481,10 @@ class Pipeline:
             attempt.timer = None
         breaker = attempt.endpoint.breaker
         if breaker is not None:
-            verdict = True if outcome is calls.SUCCESS else classify_for_breaker(outcome, endpoint_fault)
+            if outcome is calls.SUCCESS:
+                verdict = True
+            else:
+                verdict = classify_for_breaker(outcome, endpoint_fault) if blame else None
             if verdict is None:
                 breaker.release()
             else:
@@ -519,6 +528,9 @@ class Pipeline:
         ok, _why = policy.decide(outcome, attempt.number, call.msg.method, call.request_size, field)
         if not ok:
             return False
+        delay = policy.backoff(attempt.number, self.rng)
+        if call.deadline and self.loop.time() + delay >= call.deadline:
+            return False  # (before the slot and the budget are taken: this retry never happens)
         cluster = call.cluster
         limits = cluster.limits
         if limits is not None and not limits.try_enter_retry():
@@ -527,11 +539,6 @@ class Pipeline:
         budget = cluster.budget
         if budget is not None and not budget.try_withdraw():
             self.stats["retries_refused_budget"] += 1
-            if limits is not None:
-                limits.leave_retry()
-            return False
-        delay = policy.backoff(attempt.number, self.rng)
-        if call.deadline and self.loop.time() + delay >= call.deadline:
             if limits is not None:
                 limits.leave_retry()
             return False
@@ -548,11 +555,11 @@ class Pipeline:
             if call.cluster.limits is not None:
                 call.cluster.limits.leave_retry()
             return
+        tried = len(call.attempts)
         self.start_attempt(call, retry_reason=reason)
-        a = call.attempt
-        if a is not None and a.number > 1 and not a.ended:
-            a.is_retry = True  # leave_retry() when it ends
-        elif call.cluster.limits is not None and (a is None or not a.is_retry):
+        if len(call.attempts) == tried and call.cluster.limits is not None:
+            # No attempt was made (e.g. no endpoint): the slot is free again. An attempt that
+            # was made holds it (Attempt.is_retry) until it ends, which may have been already.
             call.cluster.limits.leave_retry()
 
     # timeouts -------------------------------------------------------------------
@@ -585,12 +592,13 @@ class Pipeline:
         self.stats["timeouts"] += 1
         self.attempt_failed(attempt, self._stop_attempt(attempt, f"per-try timeout {_ms(per_try)}"))
 
-    def _stream_failed(self, attempt: Attempt, why: str) -> None:
-        """Reply bytes already went to the client: all we can do is close its connection."""
+    def _stream_failed(self, attempt: Attempt, why: str, blame: bool = True) -> None:
+        """Reply bytes already went to the client: all we can do is close its connection.
+        (`blame` False: the client went away, which says nothing about the endpoint.)"""
         call = attempt.call
         self._off_connection(attempt)
         attempt.error = why
-        self._end_attempt(attempt, calls.MAY_HAVE_RUN)
+        self._end_attempt(attempt, calls.MAY_HAVE_RUN, blame=blame)
         call.outcome = calls.MAY_HAVE_RUN
         call.error = f"may have run: {why} (while streaming the reply; client connection closed)"
         call.error_type = calls.MAY_HAVE_RUN
@@ -634,14 +642,16 @@ class Pipeline:
             error = UpstreamError(f"route timeout {_ms(timeout)} passed", written=call.written, timeout=True)
         self._give_up(call, error, calls.TIMEOUT if call.written else calls.NOT_SENT)
 
-    def _drop_attempt(self, attempt: Attempt, error: str, outcome: str) -> None:
-        """An attempt stopped (`_stop_attempt`, or its connection abandoned) for a reason that is
-        not its endpoint's (a timeout, the request cut, the client gone): off its connection
-        and its pending slot, its outcome recorded without blaming the endpoint."""
+    def _drop_attempt(self, attempt: Attempt, error: str, outcome: str, blame: bool = True) -> None:
+        """An attempt stopped (`_stop_attempt`, or its connection abandoned) by the proxy (a
+        timeout, the request cut, the client gone): off its connection and its pending slot, its
+        outcome recorded. The breaker counts a timeout or a written request that may have run as
+        the endpoint's failure unless `blame` is False (the client's doing); never a request
+        that was not sent."""
         self._leave_pending(attempt)
         self._off_connection(attempt)
         attempt.error = error
-        self._end_attempt(attempt, outcome, False)
+        self._end_attempt(attempt, outcome, False, blame)
 
     def _cancel_backoff(self, call: Call) -> None:
         """A retry was waiting out its backoff: it will not happen (its max_retries slot frees)."""
@@ -709,7 +719,11 @@ class Pipeline:
             self.on_complete(call)
 
     def cancel(self, call: Call) -> None:
-        """The client went away: stop waiting; a written attempt runs out (its reply is dropped)."""
+        """The client went away: stop waiting, and stop an attempt that was written. Its reply
+        would have nowhere to go, and nothing would bound the wait for it (the route timeout
+        goes with the call): its connection is closed, as Envoy resets the upstream request
+        when the downstream one goes, and the endpoint is not blamed. (A reply already
+        streaming is the listener's to stop: `_stream_failed`.)"""
         call.cancelled = True
         self._cancel_backoff(call)
         a = call.attempt
@@ -718,7 +732,9 @@ class Pipeline:
             a.waiter = None
             self._leave_pending(a)
             self._end_attempt(a, calls.NOT_SENT, False)
-        elif a is not None and a.upconn is not None and a.upconn.upload is not None:
-            a.upconn.abandon()  # it holds part of a request that will never be finished
-            self._drop_attempt(a, "the client closed its connection while sending the request", calls.MAY_HAVE_RUN)
+        elif a is not None and a.upconn is not None and not a.ended and not call.streamed:
+            what = ("while sending the request" if a.upconn.upload is not None
+                    else "before its reply")
+            a.upconn.abandon()
+            self._drop_attempt(a, f"the client closed its connection {what}", calls.MAY_HAVE_RUN, blame=False)
         self._release_call(call)

@@ -36,17 +36,27 @@ class PoolSettings:
 class Waiter:
     """A caller waiting for a connection: `callback(conn, error)` runs once."""
 
-    __slots__ = ("callback", "timer", "done")
+    __slots__ = ("callback", "timer", "done", "queue")
 
     def __init__(self, callback) -> None:
         self.callback = callback
         self.timer: asyncio.TimerHandle | None = None
         self.done = False
+        self.queue: deque | None = None  # the pool's waiters, while it waits in them
 
     def cancel(self) -> None:
+        """The caller gave up: out of the pool's queue at once (it would otherwise hold its call
+        there, and count as waiting, until a connection came free)."""
         self.done = True
         if self.timer is not None:
             self.timer.cancel()
+        queue = self.queue
+        if queue is not None:
+            self.queue = None
+            try:
+                queue.remove(self)
+            except ValueError:
+                pass
 
     def fire(self, conn, error) -> bool:
         if self.done:
@@ -105,6 +115,7 @@ class Pool:
             self.loop.create_task(self._connect(w))
         else:
             w.timer = self.loop.call_later(self.settings.acquire_timeout, self._acquire_timeout, w)
+            w.queue = self.waiters
             self.waiters.append(w)
         return w
 
