@@ -148,7 +148,7 @@ class Upload:
 class Attempt(Exchange):
     """One try of a call on one endpoint: acquire → write → reply."""
 
-    __slots__ = ("call", "endpoint", "pool", "upconn", "waiter", "seqid", "number", "timer",
+    __slots__ = ("call", "endpoint", "pool", "upconn", "waiter", "seqid", "name", "number", "timer",
                  "t_acquire", "t_acquired", "t_written", "t_first_reply", "t_reply", "outcome",
                  "error", "retry_reason", "breaker_state", "reply_size", "span_id", "probe",
                  "pending", "is_retry", "ended")
@@ -160,6 +160,7 @@ class Attempt(Exchange):
         self.upconn = None
         self.waiter = None
         self.seqid = call.msg.seqid
+        self.name = call.msg.name
         self.number = number                # 1-based
         self.timer = None                   # per-try deadline handle
         self.t_acquire = t_acquire

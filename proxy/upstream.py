@@ -105,6 +105,7 @@ class Exchange:
     """What an upstream connection reports to (the pipeline's attempt implements it)."""
 
     seqid: int
+    name: str           # the method name sent (a reply must answer it: see `answers`)
     t_first_reply: int
 
     def start_stream(self, head: StreamHead) -> bool:  # pragma: no cover - interface
@@ -132,6 +133,22 @@ class Exchange:
 
     def on_failure(self, error: UpstreamError) -> None:  # pragma: no cover - interface
         raise NotImplementedError
+
+
+def answers(ex: Exchange, seqid: int, mtype: int, name: str) -> bool:
+    """Does a reply with this head answer `ex`'s request: its seqid, REPLY or EXCEPTION, and its
+    method (bare or multiplexed, as a multiplexed processor replies with the bare name; an
+    EXCEPTION with no name is taken too)? Clients' seqids are not unique across a pool's
+    connections, so the name is what tells a stale duplicate reply to another client's request
+    on the same connection from its own."""
+    if seqid != ex.seqid or (mtype != M_REPLY and mtype != M_EXCEPTION):
+        return False
+    sent = ex.name
+    return name == sent or _bare(name) == _bare(sent) or (not name and mtype == M_EXCEPTION)
+
+
+def _bare(name: str) -> str:
+    return name[name.find(":") + 1:]
 
 
 class UpstreamConnection(asyncio.Protocol):
@@ -211,8 +228,9 @@ class UpstreamConnection(asyncio.Protocol):
 
     def _replied(self, ex: Exchange, reply: Message) -> None:
         """A whole reply: checked, the connection back to the pool, the exchange told."""
-        if reply.seqid != ex.seqid or (reply.type != M_REPLY and reply.type != M_EXCEPTION):
-            self._fail_head(ex, reply.seqid, reply.type)
+        if (reply.seqid != ex.seqid or (reply.type != M_REPLY and reply.type != M_EXCEPTION)
+                or (reply.name != ex.name and not answers(ex, reply.seqid, reply.type, reply.name))):
+            self._fail_head(ex, reply.seqid, reply.type, reply.name)
             return
         self.exchange_ = None
         if self.decoder.buffered or self.upload is not None:
@@ -255,8 +273,8 @@ class UpstreamConnection(asyncio.Protocol):
             self._probe = None
             return buf
         self._probe = None
-        if head.seqid != ex.seqid or (head.type != M_REPLY and head.type != M_EXCEPTION):
-            self._fail_head(ex, head.seqid, head.type)
+        if not answers(ex, head.seqid, head.type, head.name):
+            self._fail_head(ex, head.seqid, head.type, head.name)
             return None
         if not ex.start_stream(head):
             return buf  # read it whole after all
@@ -359,8 +377,8 @@ class UpstreamConnection(asyncio.Protocol):
             return  # its first field header is not here yet (a huge method name)
         self._may_stream = False  # asked once per reply
         name, mtype, seqid, field = head
-        if seqid != ex.seqid or (mtype != M_REPLY and mtype != M_EXCEPTION):
-            self._fail_head(ex, seqid, mtype)
+        if not answers(ex, seqid, mtype, name):
+            self._fail_head(ex, seqid, mtype, name)
             return
         if not ex.start_stream(StreamHead(name, mtype, seqid, field, None, Framing.BUFFERED)):
             return  # read it whole after all
@@ -460,12 +478,15 @@ class UpstreamConnection(asyncio.Protocol):
             self._stream_cut(ex)
         self._discard()
 
-    def _fail_head(self, ex: Exchange, seqid: int, mtype: int) -> None:
-        """A reply whose head does not answer the request (another seqid, not REPLY/EXCEPTION)."""
+    def _fail_head(self, ex: Exchange, seqid: int, mtype: int, name: str) -> None:
+        """A reply whose head does not answer the request (another seqid or method, not
+        REPLY/EXCEPTION)."""
         if seqid != ex.seqid:
             why = f"seqid {seqid} does not match the request's {ex.seqid}"
-        else:
+        elif mtype != M_REPLY and mtype != M_EXCEPTION:
             why = f"message type {mtype}"
+        else:
+            why = f"method '{name}' does not match the request's '{ex.name}'"
         self._fail(UpstreamError(f"bad reply from {self.label}: {why}", written=True))
 
     def _fail_garbage(self, e: ProtocolError) -> None:

@@ -69,6 +69,12 @@ class FaultUpstream(RawUpstream):
             c.sendall(hdr + req)
         elif mode == "wrong_seqid":
             c.sendall(reply_bytes(name, seqid + 1))
+        elif mode == "wrong_name":  # the right seqid, another method's reply
+            c.sendall(reply_bytes(b"get_users", seqid))
+        elif mode == "twice":  # the reply, then a stale duplicate of it a little later
+            c.sendall(ok)
+            time.sleep(0.2)
+            c.sendall(ok)
         elif mode == "call_type":  # a CALL where a REPLY belongs
             bad = bytearray(ok)
             bad[7] = 1
@@ -163,6 +169,7 @@ FAULTS = [
     ("garbage", "bad reply from 127.0.0.1:"),
     ("http", "bad reply from 127.0.0.1:"),
     ("wrong_seqid", "seqid 8 does not match the request's 7"),
+    ("wrong_name", "method 'get_users' does not match the request's 'lookup'"),
     ("call_type", "bad reply from 127.0.0.1:"),
     (f"oversize:{2 * MiB}", "bad reply from 127.0.0.1:"),
     ("close_before_reply", "lost after the request was written"),
@@ -170,6 +177,25 @@ FAULTS = [
     ("reset_mid_reply", "lost after the request was written"),
     ("stall_mid_reply", "route timeout 1500ms"),
 ]
+
+
+def test_a_stale_duplicate_reply_never_answers_another_clients_call(upstream):
+    """The upstream answers a `lookup` twice, the copy 200 ms later, when the pooled connection
+    already carries another client's `echo` with the same seqid (clients' seqids are not
+    unique across a pool's connections). The copy must not pass for the echo's reply: the name
+    tells them apart ("may have run", and that connection is discarded)."""
+    with Proxy(_config(upstream)) as p:
+        port = p.port()
+        upstream.plan.append("twice")
+        assert _call(port, "lookup", "a", seqid=1).type == MessageType.REPLY
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(request_bytes("framed", "binary", "echo", b"hello", seqid=1))
+            (r,) = read_messages(s, 1, timeout=5)
+        assert (r.name, r.seqid, r.type) == ("echo", 1, MessageType.EXCEPTION)
+        assert "method 'lookup' does not match the request's 'echo'" in app_exception(r).message
+        assert upstream.accepts == 1  # (the echo went on the lookup's connection)
+        assert _call(port, "lookup", "b", seqid=1).type == MessageType.REPLY
+        assert upstream.accepts == 2  # that connection was discarded
 
 
 @pytest.mark.parametrize("fault,fragment", FAULTS, ids=[f[0].split(":")[0] for f in FAULTS])
