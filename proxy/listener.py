@@ -693,11 +693,17 @@ class ClientConnection(asyncio.Protocol):
 
     # -- errors and closing ------------------------------------------------------
 
+    def _oneway_name(self, name: str) -> bool:
+        """A method the listener treats as oneway (`oneway_methods`, the IDL's) even when sent
+        as a CALL: nothing is ever written back for it, errors included."""
+        oneway = self.state.pipeline.oneway_methods
+        return bool(oneway) and bool(name) and (name in oneway or name[name.find(":") + 1:] in oneway)
+
     def _protocol_error(self, e: ProtocolError) -> None:
         self.state.stats["protocol_errors"] += 1
         dec = self.decoder
         head = e.head
-        if head is None:
+        if head is None and not e.whole:  # (a whole bad frame is gone: the next one's head is not its)
             try:
                 head = dec.pending_head()  # a started request: answer with its seqid and name
             except Exception:  # noqa: BLE001 - best effort only
@@ -705,7 +711,7 @@ class ClientConnection(asyncio.Protocol):
         if head is None and dec.framing is not None and dec.protocol is not None:
             head = Head("", MessageType.CALL, 0, dec.framing, dec.protocol)
         log.info("client %s on listener %s: %s", self.peer, self.state.settings.name, e.message)
-        if head is not None and head.type != MessageType.ONEWAY:
+        if head is not None and head.type != MessageType.ONEWAY and not self._oneway_name(head.name):
             err = Call(self, None, self.t_first, monotonic_ns(), self.state.pipeline)
             err.error = e.message
             err.reply = exception_reply(head, e.app_type, PREFIX + e.message)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 
@@ -455,3 +456,83 @@ def test_finished_calls_are_freed_by_reference_counting():
         up.stop()
     assert live <= 4, f"{live} calls and attempts still alive after 300 finished calls"
     assert retried > 0  # the retried path was exercised
+
+
+def _until_eof(s: socket.socket, timeout: float = 5.0) -> bytes:
+    s.settimeout(timeout)
+    out = b""
+    while True:
+        data = s.recv(1 << 16)
+        if not data:
+            return out
+        out += data
+
+
+def _messages(data: bytes, framing: str = "framed") -> list:
+    from proxy.codec import Decoder, Framing
+
+    dec = Decoder(Framing(framing), None)
+    dec.feed(data)
+    out = []
+    while (m := dec.next_message()) is not None:
+        out.append(m)
+    return out
+
+
+def test_error_for_a_malformed_frame_never_takes_the_next_requests_seqid():
+    """ping (1), a whole 12-byte frame with a bad version word, a valid lookup (4), in one
+    write: ping's reply, then the error addressed to the bad frame (seqid 0: its own cannot be
+    read), then the connection closes. Before: the error went out as lookup's reply (seqid 4,
+    name 'lookup'), blaming a valid request that never ran."""
+    up = ThriftServer("framed", "binary")
+    try:
+        with Proxy(config_text([up.address])) as p:
+            bad = struct.pack("!i", 12) + b"\x12\x34\x56\x78" + b"\x00" * 8
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(request_bytes("framed", "binary", "ping", seqid=1) + bad
+                          + request_bytes("framed", "binary", "lookup", "k4", seqid=4))
+                replies = _messages(_until_eof(s))
+            assert [(r.name, r.seqid, r.type) for r in replies] == [
+                ("ping", 1, MessageType.REPLY), ("", 0, MessageType.EXCEPTION)]
+            assert "bad binary protocol version" in app_exception(replies[1]).message
+    finally:
+        up.stop()
+
+
+def test_theader_frame_with_a_bad_header_size_is_answered_with_its_own_seqid():
+    from proxy.codec.theader import HeaderBlock, encode_header_frame
+
+    up = ThriftServer("header", "binary")
+    try:
+        with Proxy(config_text([up.address], transport="header")) as p:
+            frame = bytearray(encode_header_frame(HeaderBlock(0, 3, 0, (), {}),
+                                                  request_bytes("buffered", "binary", "lookup", "k", seqid=3)))
+            struct.pack_into("!H", frame, 12, 0x4000)  # header size (in words) past the frame's end
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(bytes(frame) + request_bytes("header", "binary", "lookup", "k4", seqid=4))
+                replies = _messages(_until_eof(s), "header")
+            assert [(r.seqid, r.type) for r in replies] == [(3, MessageType.EXCEPTION)]
+            assert "header size 65536 beyond the frame" in app_exception(replies[0]).message
+    finally:
+        up.stop()
+
+
+@pytest.mark.parametrize("cut", [False, True], ids=["oversized", "cut_short"])
+def test_oneway_methods_sent_as_call_get_nothing_back_even_when_refused(cut):
+    """log_event, listed in oneway_methods and sent as a CALL (as Apache Thrift Go does), over
+    max_frame_size or cut short (request_read_timeout): refused and logged, never answered
+    (README: nothing is ever written back for such a method). Before: a PROTOCOL_ERROR."""
+    up = ThriftServer()
+    try:
+        text = config_text([up.address], extra_listener="\n    oneway_methods: [log_event]"
+                                                        "\n    max_frame_size: 10000\n    request_read_timeout: 500ms")
+        with Proxy(text) as p:
+            req = bytearray(request_bytes("framed", "binary", "log_event", "e" if cut else "x" * 20000, seqid=6))
+            req[7] = 1  # CALL
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(bytes(req[:-3] if cut else req))
+                assert _until_eof(s) == b""
+            assert p.server.listeners["test"].stats["protocol_errors"] + \
+                p.server.listeners["test"].stats["read_timeouts"] >= 1
+    finally:
+        up.stop()

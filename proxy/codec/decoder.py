@@ -511,7 +511,15 @@ class Decoder:
         return protocol
 
     def _framed(self, data, off: int, end: int, framing: Framing) -> Message:
-        """A complete frame data[off:end] (length prefix included)."""
+        """A complete frame data[off:end] (length prefix included), taken: an error raised
+        for it says so (`ProtocolError.whole`)."""
+        try:
+            return self._framed_message(data, off, end, framing)
+        except ProtocolError as e:
+            e.whole = True
+            raise
+
+    def _framed_message(self, data, off: int, end: int, framing: Framing) -> Message:
         start = off + 4
         if framing is Framing.FRAMED:
             protocol = self._frame_protocol(data, start, end)

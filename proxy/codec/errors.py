@@ -44,6 +44,9 @@ class ProtocolError(Exception):
         self.close = close
         # For errors before a head could be read: the framing/protocol, if known.
         self.header_protocol = header_protocol
+        # The bad message was taken whole (a complete frame): its bytes are gone, so the
+        # decoder's pending_head() would read the *next* message's head, not this one's.
+        self.whole = False
 
     def with_head(self, head: Head | None) -> "ProtocolError":
         if head is not None and self.head is None:

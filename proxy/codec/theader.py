@@ -67,7 +67,8 @@ def parse_header_block(buf, start: int, end: int, framing: Framing) -> tuple[Hea
     hstart = start + THEADER_FIXED_SIZE
     hend = hstart + words * 4
     if hend > end:
-        raise ProtocolError(f"bad request: THeader header size {words * 4} beyond the frame")
+        raise ProtocolError(f"bad request: THeader header size {words * 4} beyond the frame",
+                            head=Head("", 1, seqid, framing, Protocol.BINARY))
     try:
         pid, p = _varint(buf, hstart, hend)
         count, p = _varint(buf, p, hend)
