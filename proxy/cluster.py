@@ -11,6 +11,11 @@ endpoints keep their pools, counters, latency estimate and breaker; a removed
 endpoint is never picked again, its idle connections close now and busy ones
 when their exchange ends, and calls still waiting for one of its connections
 are served before its pools close. No call in flight fails because of a change.
+
+`retire()` is how a reload replaces the whole cluster: discovery stops now, and
+`in_use()` tells the composition root (`proxy.server`) when no call is in flight
+on it any more, so its pools close only then (a waiter or a retry of a call
+that started before the reload still gets a connection).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ class Cluster:
         # Called with each endpoint discovery adds (e.g. to give it a breaker); static
         # endpoints are set up where the cluster is built.
         self.endpoint_setup: Callable[[Endpoint], None] | None = None
+        self.retired = False      # replaced by a reload (retire()); closed once not in_use()
         self._retiring: set[Pool] = set()
         self._retire_timer: asyncio.TimerHandle | None = None
 
@@ -146,6 +152,21 @@ class Cluster:
         self._retire_timer = None
         for pool in list(self._retiring):
             self._retire(pool)
+
+    def retire(self) -> None:
+        """A reload replaced this cluster: stop discovery; its pools stay open for the calls
+        still on it (`in_use`) until `close()`."""
+        self.retired = True
+        if self.discovery is not None:
+            self.discovery.close()
+
+    def in_use(self) -> bool:
+        """A call is in flight on this cluster (its limits count it from admission to its reply,
+        retries included) or waits for one of its pools' connections."""
+        if self.limits is not None and self.limits.requests > 0:
+            return True
+        pools = [p for ep in self.endpoints for p in ep.pools.values()] + list(self._retiring)
+        return any(not w.done for p in pools for w in p.waiters)
 
     def close(self) -> None:
         if self.discovery is not None:

@@ -715,6 +715,16 @@ def loads(text: str, filename: str = "<string>") -> Config:
     return config
 
 
+def line_of_key(path: str | Path, loc: Loc) -> int:
+    """The line where key path `loc` starts in the config file at `path` (for errors found
+    after loading, e.g. a port in use); 1 if the file cannot be read again."""
+    try:
+        _, lines, _ = _read_yaml(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return 1
+    return _line_of(loc, lines)
+
+
 def _read_yaml(text: str) -> tuple[Any, dict[Loc, int], list[tuple[Loc, str]]]:
     """The data, the 1-based line where each key path starts, and duplicate-key problems."""
     loader = yaml.SafeLoader(text)

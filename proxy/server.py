@@ -5,10 +5,21 @@ listeners. Nothing else constructs these objects, and nothing is global:
 each piece gets what it needs passed in. Lifecycle work (startup, signals,
 drain) uses tasks and awaits; the per-call path lives in protocol callbacks.
 
+Reload: the new config is checked, its clusters built and every new listening
+socket bound before anything is swapped; a failure (a TLS file, an IDL, a port
+in use) leaves the old config serving. A listener whose address is unchanged
+keeps its socket and its connections (a rename re-keys it); a moved one keeps
+its connections on the new config. A cluster a reload replaces is retired: its
+discovery and health check stop at once, and its pools close only once no call
+is in flight on it (retries included). Connections of a listener a reload
+removed keep being served on the config they were accepted with until they
+close; drain and `/stats` count them.
+
 Drain (an outbound sidecar): on SIGTERM/SIGINT `/ready` turns 503, existing
 and new local connections keep being served, and the process exits once no
 client connection has been open for `DRAIN_GRACE` seconds, or at
-`drain_timeout`. A second signal exits at once.
+`drain_timeout`. A second signal exits at once (spans still queued are not
+waited for).
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import random
 import signal
 import sys
@@ -48,6 +60,39 @@ log = logging.getLogger("proxy")
 DRAIN_GRACE = 1.0  # seconds without any client connection before a drain ends
 SPAN_FLUSH_TIMEOUT = 5.0  # seconds to export queued spans at shutdown
 WATCH_INTERVAL = 1.0  # seconds between config file checks (reload: {watch: true})
+RETIRE_POLL = 0.1  # seconds between checks whether retired clusters and listeners are still used
+
+
+class ListenError(Exception):
+    """A configured address cannot be listened on at startup; `line(path)` says it as config
+    errors are said: `FILE:LINE: listeners[N].listen: cannot listen on HOST:PORT: why`."""
+
+    def __init__(self, loc: tuple, host: str, port: int, error: OSError) -> None:
+        why = os.strerror(error.errno) if error.errno else str(error)
+        self.loc = loc
+        self.message = f"cannot listen on {host}:{port}: {why[:1].lower()}{why[1:]}"
+        super().__init__(self.message)
+
+    def line(self, path: str | None) -> str:
+        key = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in self.loc).lstrip(".")
+        if path is None:
+            return f"<config>:1: {key}: {self.message}"
+        return f"{path}:{cfgmod.line_of_key(path, self.loc)}: {key}: {self.message}"
+
+
+class _Slot:
+    """One listener of a config being applied: its socket (kept or newly bound) and state."""
+
+    __slots__ = ("lc", "state", "server", "pipeline", "settings", "reused", "fresh_server")
+
+    def __init__(self, lc: cfgmod.Listener) -> None:
+        self.lc = lc
+        self.state: ListenerState | None = None
+        self.server = None
+        self.pipeline: Pipeline | None = None
+        self.settings: ListenerSettings | None = None
+        self.reused = False        # the state is an existing listener's (its pipeline is swapped)
+        self.fresh_server = False  # bound by this reload (not serving until it commits)
 
 
 def _framing(name: str | None) -> Framing | None:
@@ -134,6 +179,13 @@ class Server:
         self._reload_lock = asyncio.Lock()
         self._watch: asyncio.Task | None = None
         self._stop = asyncio.Event()
+        self._hurry = asyncio.Event()  # a second signal: exit without waiting for anything more
+        self.owns_logging = False      # the process's logging is ours to reconfigure on reload
+        # Retired by a reload and still used: listeners' states with connections open, clusters
+        # with calls in flight (or routed to by such a listener). Closed once unused.
+        self._retired_listeners: list[ListenerState] = []
+        self._retiring: list[Cluster] = []
+        self._retire_timer: asyncio.TimerHandle | None = None
         self._build_clusters(config)
 
     # -- building ----------------------------------------------------------------------
@@ -155,8 +207,8 @@ class Server:
         self._cluster_cfg = {c.name: c for c in config.clusters}
         return fresh, retired
 
-    def build_listener(self, lc: cfgmod.Listener) -> ListenerState:
-        return ListenerState(self._settings(lc), self._pipeline(lc), self.loop)
+    def build_listener(self, lc: cfgmod.Listener, config: cfgmod.Config | None = None) -> ListenerState:
+        return ListenerState(self._settings(lc), self._pipeline(lc, config), self.loop)
 
     def _settings(self, lc: cfgmod.Listener) -> ListenerSettings:
         return ListenerSettings(
@@ -164,7 +216,7 @@ class Server:
             max_frame_size=lc.max_frame_size, max_connections=lc.max_connections,
             request_read_timeout=lc.request_read_timeout, idle_timeout=lc.idle_timeout)
 
-    def _pipeline(self, lc: cfgmod.Listener) -> Pipeline:
+    def _pipeline(self, lc: cfgmod.Listener, config: cfgmod.Config | None = None) -> Pipeline:
         """The listener's request path; ValueError naming the listener if its IDL is unusable or
         a route's `on_exceptions` names cannot be resolved (the IDL is read on every build)."""
         from proxy.idl import IdlError, load as load_idl
@@ -186,7 +238,8 @@ class Server:
         if idl is not None:  # every IDL method has its own label, never `_OTHER`
             known += sorted(idl.known_methods())
         pipeline.on_complete = CallRecorder(lc.service, lc.name, self.metrics.service(lc.service, known),
-                                            self.telemetry, self.lag, self.config.logging.access_log)
+                                            self.telemetry, self.lag,
+                                            (config or self.config).logging.access_log)
         if self.telemetry is not None:
             hooks = TraceHooks(self.telemetry)
             pipeline.on_begin = hooks.begin
@@ -196,28 +249,40 @@ class Server:
     # -- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Admin, clusters, listeners; ListenError if an address cannot be listened on."""
         self.lag.start()
         await self._start_admin()
         await self._start_clusters(self.clusters.values())
-        for lc in self.config.listeners:
-            await self._open(lc)
-        if self.config.reload.watch and self.path:
-            self._watch = self.loop.create_task(self._watch_file())
+        for i, lc in enumerate(self.config.listeners):
+            try:
+                await self._open(lc)
+            except OSError as e:
+                raise ListenError(("listeners", i, "listen"), lc.listen.host, lc.listen.port, e) from None
+        self._set_watch(self.config)
         self.ready = True
 
     async def _start_clusters(self, clusters) -> None:
+        """First discovery round, then each one's health checker (a replaced cluster's checker,
+        if still running, is closed first: one checker per cluster name)."""
         clusters = list(clusters)
         await asyncio.gather(*(c.start() for c in clusters))  # first discovery round
         for c in clusters:
+            old = self.health.pop(c.name, None)
+            if old is not None:
+                old.close()
             hc = self._cluster_cfg[c.name].health_check
             if hc is not None:
                 checker = self.health[c.name] = HealthChecker(c, hc.method, hc.interval, hc.timeout)
                 checker.start()
 
+    async def _bind(self, lc: cfgmod.Listener, state: ListenerState, start_serving: bool = True):
+        return await self.loop.create_server(
+            state.protocol_factory, lc.listen.host, lc.listen.port, backlog=lc.backlog, reuse_address=True,
+            start_serving=start_serving)
+
     async def _open(self, lc: cfgmod.Listener, state: ListenerState | None = None) -> None:
         state = state or self.build_listener(lc)
-        srv = await self.loop.create_server(
-            state.protocol_factory, lc.listen.host, lc.listen.port, backlog=lc.backlog, reuse_address=True)
+        srv = await self._bind(lc, state)
         self.listeners[lc.name] = state
         self.servers[lc.name] = srv
         self._listen_cfg[lc.name] = lc
@@ -230,12 +295,18 @@ class Server:
         self.admin = AdminServer(AdminSources(ready=lambda: self.ready and not self.draining,
                                               stats=self.snapshot, config=lambda: self.config.effective(),
                                               metrics=self.metrics.exposition))
+        sites = []
         if cfg.admin is not None:
-            await self.admin.start("admin", cfg.admin.listen.host, cfg.admin.listen.port)
+            sites.append(("admin", ("admin", "listen"), cfg.admin.listen))
             if cfg.admin.health_listen is not None:
-                await self.admin.start("health", cfg.admin.health_listen.host, cfg.admin.health_listen.port)
+                sites.append(("health", ("admin", "health_listen"), cfg.admin.health_listen))
         if cfg.metrics_listen is not None:
-            await self.admin.start("metrics", cfg.metrics_listen.host, cfg.metrics_listen.port)
+            sites.append(("metrics", ("metrics_listen",), cfg.metrics_listen))
+        for kind, loc, addr in sites:
+            try:
+                await self.admin.start(kind, addr.host, addr.port)
+            except OSError as e:
+                raise ListenError(loc, addr.host, addr.port, e) from None
 
     def address(self, listener: str) -> tuple[str, int]:
         """The bound (host, port) of a listener (port 0 in config picks a free one)."""
@@ -264,60 +335,169 @@ class Server:
         return await self.apply(config)
 
     async def apply(self, config: cfgmod.Config) -> bool:
-        """Swap to `config` atomically, as seen by new calls; calls in flight finish on the old one."""
+        """Swap to `config` atomically, as seen by new calls; calls in flight finish on the old one.
+
+        Everything that can fail is done first (clusters built, pipelines built, new sockets
+        bound but not serving); on a failure the old config keeps serving untouched."""
         async with self._reload_lock:
             old_clusters, old_cfg = self.clusters, self._cluster_cfg
+            slots: list[_Slot] = []
             try:
                 fresh, retired = self._build_clusters(config)
-            except Exception as e:  # e.g. unreadable TLS files: keep the old generation
+                slots = self._plan_listeners(config)
+                for slot in slots:
+                    if slot.server is None:
+                        try:
+                            slot.server = await self._bind(slot.lc, slot.state, start_serving=False)
+                        except OSError as e:
+                            why = os.strerror(e.errno) if e.errno else str(e)
+                            raise ValueError(f"listener {slot.lc.name} cannot listen on {slot.lc.listen}: "
+                                             f"{why}") from None
+                        slot.fresh_server = True
+            except Exception as e:  # e.g. unreadable TLS files, a bad IDL, a port in use
+                for slot in slots:
+                    if slot.fresh_server:
+                        slot.server.close()
+                if self.clusters is not old_clusters:
+                    for c in self.clusters.values():
+                        if old_clusters.get(c.name) is not c:
+                            c.close()  # built for this config, never started
                 self.clusters, self._cluster_cfg = old_clusters, old_cfg
                 self.reloads["failed"] += 1
-                log.error("reload rejected: %s", e)
+                log.error("reload rejected: %s; the old config keeps serving", e)
                 return False
-            await self._start_clusters(fresh.values())
+            # -- commit: nothing below fails the reload
+            await self._start_clusters(fresh.values())  # replaced clusters' checkers closed first
             prev_config = self.config
             self.config = config
-            new_names = {lc.name for lc in config.listeners}
-            for name in [n for n in self.listeners if n not in new_names]:
-                self._close_listener(name)
-            for lc in config.listeners:
-                old = self._listen_cfg.get(lc.name)
-                if old is not None and old.listen == lc.listen and old.backlog == lc.backlog:
-                    state = self.listeners[lc.name]
-                    state.pipeline = self._pipeline(lc)   # new calls; in-flight ones keep theirs
-                    state.settings = self._settings(lc)   # new connections
-                    self._listen_cfg[lc.name] = lc
-                    continue
-                if old is not None:
-                    self._close_listener(lc.name)
-                try:
-                    await self._open(lc)
-                except OSError as e:
-                    log.error("reload: listener %s cannot listen on %s: %s", lc.name, lc.listen, e.strerror)
+            old_servers, old_states = self.servers, self.listeners
+            self.servers, self.listeners = {}, {}
+            for slot in slots:
+                state = slot.state
+                if slot.reused:
+                    # the listener's counters go on; calls in flight keep the pipeline they started with
+                    stats = state.pipeline.stats
+                    for key, value in slot.pipeline.stats.items():
+                        stats.setdefault(key, value)
+                    slot.pipeline.stats = stats
+                    state.pipeline = slot.pipeline   # new calls
+                    state.settings = slot.settings   # new connections
+                self.servers[slot.lc.name] = slot.server
+                self.listeners[slot.lc.name] = state
+            self._listen_cfg = {lc.name: lc for lc in config.listeners}
+            kept_servers = {id(srv) for srv in self.servers.values()}
+            for srv in old_servers.values():
+                if id(srv) not in kept_servers:
+                    srv.close()  # stops accepting; its connections stay open
+            kept_states = {id(st) for st in self.listeners.values()}
+            for name, state in old_states.items():
+                if id(state) not in kept_states and state.connections:
+                    log.info("listener %s removed: its %d open connection(s) are served on the old config "
+                             "until they close", name, len(state.connections))
+                    self._retired_listeners.append(state)
+            for slot in slots:
+                if slot.fresh_server:
+                    await slot.server.start_serving()
+                    log.info("listener %s on %s (%s/%s)", slot.lc.name, self.address(slot.lc.name),
+                             slot.lc.transport, slot.lc.protocol)
             for c in retired:
-                checker = self.health.pop(c.name, None)
+                checker = self.health.get(c.name)
                 if checker is not None and checker.cluster is c:
+                    del self.health[c.name]
                     checker.close()
-                c.close()  # idle connections now; busy ones when their exchange ends
-            if config.tracing != prev_config.tracing and self._own_telemetry:
-                log.warning("tracing settings changed: they take effect at the next restart")
+                c.retire()  # discovery stops now; its pools close once no call is on it
+                self._retiring.append(c)
+            self._sweep_retired()
+            self._set_watch(config)
+            self._changed_at_restart(prev_config, config)
             self.reloads["ok"] += 1
             log.info("reloaded %s: %d listener(s), %d cluster(s) (%d rebuilt)", self.path or "config",
                      len(config.listeners), len(config.clusters), len(fresh))
             return True
 
-    def _close_listener(self, name: str) -> None:
-        """Stop accepting; connections already open keep being served until they close."""
-        srv = self.servers.pop(name, None)
-        if srv is not None:
-            srv.close()
-        self._listen_cfg.pop(name, None)
-        self.listeners.pop(name, None)
+    def _plan_listeners(self, config: cfgmod.Config) -> list[_Slot]:
+        """Each listener of `config` with its pipeline, and the socket and state it goes on with:
+        the same name on the same address keeps both; a new name on an address an old listener
+        no longer uses takes over its socket and connections (a rename); a listener whose
+        address changed keeps its state (so its connections get the new config) on a socket
+        bound later. ValueError naming the listener if a pipeline cannot be built."""
+        old_cfg = self._listen_cfg
+        slots = [_Slot(lc) for lc in config.listeners]
+        taken: set[str] = set()  # old listeners whose socket goes on
+        source: dict[int, str] = {}
+        for i, slot in enumerate(slots):
+            old = old_cfg.get(slot.lc.name)
+            if old is not None and old.listen == slot.lc.listen:
+                taken.add(slot.lc.name)
+                source[i] = slot.lc.name
+        for i, slot in enumerate(slots):
+            if i in source or slot.lc.listen.port == 0:  # port 0: any free port, never the same one
+                continue
+            for name, old in old_cfg.items():
+                if name not in taken and old.listen == slot.lc.listen:
+                    taken.add(name)
+                    source[i] = name
+                    break
+        for i, slot in enumerate(slots):
+            lc = slot.lc
+            slot.pipeline = self._pipeline(lc, config)
+            slot.settings = self._settings(lc)
+            name = source.get(i)
+            if name is not None:
+                slot.state, slot.server, slot.reused = self.listeners[name], self.servers[name], True
+                old = old_cfg[name]
+                if old.backlog != lc.backlog:
+                    log.warning("listener %s: backlog %d takes effect at the next restart (its socket is "
+                                "kept, with backlog %d)", lc.name, lc.backlog, old.backlog)
+                if name != lc.name:
+                    log.info("listener %s renamed %s: same socket, same connections", name, lc.name)
+            elif lc.name in old_cfg and lc.name not in taken:  # moved: its connections come along
+                slot.state, slot.reused = self.listeners[lc.name], True
+            else:
+                slot.state = ListenerState(slot.settings, slot.pipeline, self.loop)
+        return slots
+
+    def _changed_at_restart(self, prev: cfgmod.Config, config: cfgmod.Config) -> None:
+        """Apply logging changes; warn about the settings a reload cannot change."""
+        if config.logging != prev.logging:
+            if self.owns_logging:
+                setup_logging(config.logging)
+                log.info("logging: format %s, level %s", config.logging.format, config.logging.level)
+        if config.tracing != prev.tracing and self._own_telemetry:
+            log.warning("tracing settings changed: they take effect at the next restart")
+        if config.admin != prev.admin or config.metrics_listen != prev.metrics_listen:
+            log.warning("admin settings changed (admin, metrics_listen): they take effect at the next restart")
+
+    def _sweep_retired(self) -> None:
+        """Forget retired listeners whose connections all closed; close retired clusters that no
+        call is on and no retired listener routes to; check again later while any remain."""
+        self._retire_timer = None
+        self._retired_listeners = [s for s in self._retired_listeners if s.connections]
+        routed = {id(c) for s in self._retired_listeners for r in s.pipeline.router.routes for c in r.clusters}
+        still = []
+        for c in self._retiring:
+            if id(c) in routed or c.in_use():
+                still.append(c)
+            else:
+                c.close()
+                log.info("cluster %s replaced by a reload: closed (no call on it any more)", c.name)
+        self._retiring = still
+        if self._retired_listeners or self._retiring:
+            self._retire_timer = self.loop.call_later(RETIRE_POLL, self._sweep_retired)
+
+    def _set_watch(self, config: cfgmod.Config) -> None:
+        """Start or stop watching the config file as `reload.watch` says."""
+        if config.reload.watch and self.path:
+            if self._watch is None:
+                self._watch = self.loop.create_task(self._watch_file())
+        elif self._watch is not None:
+            task, self._watch = self._watch, None
+            if task is not asyncio.current_task():  # else the watch loop ends by itself
+                task.cancel()
 
     async def _watch_file(self) -> None:
-        """Reload when the file changes, including Kubernetes ConfigMap symlink swaps."""
-        import os
-
+        """Reload when the file changes, including Kubernetes ConfigMap symlink swaps; ends
+        when a reload turns `reload.watch` off."""
         def stamp():
             try:
                 real = os.path.realpath(self.path)
@@ -334,13 +514,16 @@ class Server:
                 last = now
                 log.info("config file changed: reloading")
                 await self.reload()
+                if self._watch is not asyncio.current_task():  # the new config turned watching off
+                    return
 
     # -- drain and stop ----------------------------------------------------------------
 
     def request_stop(self) -> None:
         """First signal: drain. Second: stop now."""
         if self.draining:
-            log.info("second signal: exiting now")
+            log.info("second signal: exiting now (spans still queued are not waited for)")
+            self._hurry.set()
             self._stop.set()
             return
         self.draining = True
@@ -352,7 +535,7 @@ class Server:
         deadline = time.monotonic() + self.config.drain_timeout
         quiet_since = None
         while time.monotonic() < deadline and not self._stop.is_set():
-            open_conns = sum(len(s.connections) for s in self.listeners.values())
+            open_conns = sum(len(s.connections) for s in self._all_listener_states())
             now = time.monotonic()
             if open_conns == 0:
                 quiet_since = quiet_since or now
@@ -363,6 +546,10 @@ class Server:
             await asyncio.sleep(0.05)
         self._stop.set()
 
+    def _all_listener_states(self) -> list[ListenerState]:
+        """Current listeners' states, then those of listeners a reload removed (still connected)."""
+        return list(self.listeners.values()) + self._retired_listeners
+
     async def wait_stopped(self) -> None:
         await self._stop.wait()
 
@@ -370,16 +557,20 @@ class Server:
         self.ready = False
         if self._watch is not None:
             self._watch.cancel()
+        if self._retire_timer is not None:
+            self._retire_timer.cancel()
+            self._retire_timer = None
         for srv in self.servers.values():
             srv.close()
-        for state in self.listeners.values():
+        for state in self._all_listener_states():
             for conn in list(state.connections):
                 if conn.transport is not None:
                     conn.transport.close()
         for h in self.health.values():
             h.close()
-        for c in self.clusters.values():
+        for c in list(self.clusters.values()) + self._retiring:
             c.close()
+        self._retiring = []
         for srv in self.servers.values():
             try:
                 async with asyncio.timeout(1.0):
@@ -391,9 +582,34 @@ class Server:
         if self.admin is not None:
             await self.admin.close()
         if self.telemetry is not None and self._own_telemetry:  # spans flushed with a bounded timeout
-            flushed = await self.loop.run_in_executor(None, self.telemetry.shutdown, SPAN_FLUSH_TIMEOUT)
-            if not flushed:
-                log.warning("spans not all exported within %.0fs at shutdown", SPAN_FLUSH_TIMEOUT)
+            await self._flush_spans()
+
+    async def _flush_spans(self) -> None:
+        """Export queued spans within SPAN_FLUSH_TIMEOUT, unless a second signal came (before or
+        during the flush): then exit at once. The flush runs in a daemon thread of its own, so
+        nothing at exit waits for an exporter that hangs."""
+        import threading
+
+        if self._hurry.is_set():
+            self.telemetry.shutdown(0.0)
+            log.warning("spans still queued at shutdown not exported: second signal")
+            return
+        done = self.loop.create_future()
+
+        def flush() -> None:
+            ok = self.telemetry.shutdown(SPAN_FLUSH_TIMEOUT)
+            self.loop.call_soon_threadsafe(lambda: done.done() or done.set_result(ok))
+
+        threading.Thread(target=flush, name="span-flush", daemon=True).start()
+        hurry = self.loop.create_task(self._hurry.wait())
+        try:
+            await asyncio.wait({done, hurry}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hurry.cancel()
+        if not done.done():
+            log.warning("span export at shutdown cut short: second signal")
+        elif not done.result():
+            log.warning("spans not all exported within %.0fs at shutdown", SPAN_FLUSH_TIMEOUT)
 
     def snapshot(self) -> dict[str, Any]:
         """/stats: listeners, clusters (endpoints, breakers, pools, budgets, limits), health, exporter."""
@@ -412,7 +628,14 @@ class Server:
             "listeners": {name: {**s.stats, **s.pipeline.stats, "connections": len(s.connections),
                                  "in_flight": sum(len(conn.queue) for conn in s.connections)}
                           for name, s in self.listeners.items()},
+            # listeners a reload removed whose connections are still open (served on the old config)
+            "retired_listeners": [{"name": s.settings.name, "connections": len(s.connections),
+                                   "in_flight": sum(len(conn.queue) for conn in s.connections)}
+                                  for s in self._retired_listeners if s.connections],
             "clusters": clusters,
+            # clusters a reload replaced that calls in flight (or retired listeners) still use
+            "retiring_clusters": [{"name": c.name, "calls_in_flight": c.limits.requests if c.limits else None}
+                                  for c in self._retiring],
             "health_checks": {name: h.stats for name, h in self.health.items()},
             "loop_lag_max_ms": round(self.lag.max_lag_ns / 1e6, 3),
             # Python's small-object blocks in use: what a leak of Python objects grows, without
@@ -439,10 +662,16 @@ def setup_logging(cfg: cfgmod.Logging) -> None:
     root.setLevel(level)
 
 
-async def serve(config: cfgmod.Config, path: str | None = None) -> int:
+async def serve(config: cfgmod.Config, path: str | None = None, owns_logging: bool = False) -> int:
+    """Run until stopped; ListenError (after cleaning up) if an address cannot be listened on."""
     loop = asyncio.get_running_loop()
     server = Server(config, loop, path=path)
-    await server.start()
+    server.owns_logging = owns_logging
+    try:
+        await server.start()
+    except ListenError:
+        await server.close()
+        raise
     gc.freeze()  # start-up objects out of the collector's way: no 20-40 ms full collections on the loop
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.request_stop)
@@ -464,9 +693,13 @@ def run_from_file(path: str) -> int:
         return 2
     setup_logging(config.logging)
     raise_nofile_limit()
-    return run(config, path)
+    try:
+        return run(config, path, owns_logging=True)
+    except ListenError as e:  # said like a config error: FILE:LINE: key: message
+        print(e.line(path), file=sys.stderr)
+        return 2
 
 
-def run(config: cfgmod.Config, path: str | None = None) -> int:
+def run(config: cfgmod.Config, path: str | None = None, owns_logging: bool = False) -> int:
     import uvloop
-    return uvloop.run(serve(config, path))
+    return uvloop.run(serve(config, path, owns_logging))

@@ -44,6 +44,24 @@ def test_run_bad_config_exits_2(tmp_path):
     assert r.returncode == 2 and "bad.yaml:1: listeners" in r.stderr
 
 
+def test_run_listen_port_in_use_exits_2_with_file_line_error(tmp_path):
+    """A listener's port taken by another process: one line said like a config error, no traceback."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        cfg = tmp_path / "busy.yaml"
+        cfg.write_text(f"listeners:\n  - name: a\n    listen: 127.0.0.1:{port}\n    routes: [{{cluster: c}}]\n"
+                       "clusters: [{name: c, endpoints: [127.0.0.1:2]}]\n")
+        r = _cli("run", "-c", str(cfg))
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"{cfg}:3: listeners[0].listen: cannot listen on 127.0.0.1:{port}: address already in use"), r.stderr
+
+
 def test_run_serves_then_drains_on_sigterm():
     up = ThriftServer()
     port = free_port()

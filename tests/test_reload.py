@@ -1,0 +1,342 @@
+"""Reload and drain at the edges: rebuilt clusters, moved/renamed/removed listeners, ports in use,
+health checkers, counters, the file watch, logging, and a second signal during a drain."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import threading
+import time
+import urllib.request
+
+from harness import (Handler, Proxy, ProxyProcess, ThriftServer, client, free_ports,
+                     listening, wait_for)
+
+
+def _load(text: str):
+    from proxy import config as cfgmod
+    return cfgmod.loads(text, "test.yaml")
+
+
+def _apply(p: Proxy, text: str) -> bool:
+    """Apply config text on the proxy's loop, as a SIGHUP with that file would."""
+    return asyncio.run_coroutine_threadsafe(p.server.apply(_load(text)), p.loop).result(20)
+
+
+def _snapshot(p: Proxy) -> dict:
+    return p.call(p.server.snapshot)
+
+
+def _one_listener(name: str, port: int, endpoints: str, cluster_extra: str = "", listener_extra: str = "",
+                  top: str = "") -> str:
+    return f"""{top}
+listeners:
+  - name: {name}
+    service: TestService
+    listen: 127.0.0.1:{port}{listener_extra}
+    routes:
+      - cluster: up
+        retry: {{attempts: 2, idempotent: true}}
+clusters:
+  - name: up
+    endpoints: [{endpoints}]
+    load_balancer: round_robin{cluster_extra}
+"""
+
+
+def _concurrently(fns) -> list:
+    """Run each fn in a thread; (ok, result or error text) per fn, in order."""
+    out: list = [None] * len(fns)
+
+    def run(i, fn):
+        try:
+            out[i] = ("ok", fn())
+        except Exception as e:  # noqa: BLE001 - any failure is the result
+            out[i] = ("error", getattr(e, "message", None) or repr(e))
+
+    threads = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(fns)]
+    for t in threads:
+        t.start()
+    return threads, out
+
+
+def test_reload_rebuilding_a_cluster_lets_calls_waiting_for_its_pool_finish():
+    """max_connections 1 and 4 slow calls: 3 wait for the pool when a reload rebuilds the
+    cluster (connect_timeout only). They are served on the old cluster, whose pool closes after."""
+    up = ThriftServer()
+    port = free_ports(1)[0]
+    pool = "\n    pool: {max_connections: 1, acquire_timeout: 10s}"
+    try:
+        with Proxy(_one_listener("test", port, up.address, pool + "\n    connect_timeout: 250ms")) as p:
+            def slow():
+                with client(port) as c:
+                    return c.sleep(300)
+            threads, out = _concurrently([slow] * 4)
+            wait_for(lambda: up.handler.calls >= 1, what="the first call at the upstream")
+            old = p.server.clusters["up"]
+            assert _apply(p, _one_listener("test", port, up.address, pool + "\n    connect_timeout: 300ms"))
+            assert p.server.clusters["up"] is not old
+            for t in threads:
+                t.join(20)
+            assert out == [("ok", 300)] * 4
+            wait_for(lambda: _snapshot(p)["retiring_clusters"] == [], what="the old cluster to close")
+            old_pools = [pl for ep in old.endpoints for pl in ep.pools.values()]
+            assert old_pools and all(pl.closed and pl.open == 0 for pl in old_pools)
+            with client(port) as c:  # and the new cluster serves
+                assert c.sleep(1) == 1
+    finally:
+        up.stop()
+
+
+def test_retry_of_a_call_started_before_a_reload_is_sent_on_its_cluster():
+    """The first attempt (on A, which drops it) ends after the reload rebuilt the cluster: the
+    retry still gets a connection to B from the call's own cluster."""
+    ha = Handler("A")
+    ha.drop_after.add("lookup")
+    a, b = ThriftServer(handler=ha), ThriftServer(name="B")
+    port = free_ports(1)[0]
+    eps = f"{a.address}, {b.address}"
+    try:
+        with Proxy(_one_listener("test", port, eps, "\n    connect_timeout: 250ms")) as p:
+            with client(port) as c:  # both pools warm
+                assert [c.lookup("w"), c.lookup("w")] == ["B:w", "B:w"]
+            ha.sleep_ms = 600
+            calls_before = ha.calls
+
+            def call():
+                with client(port) as c:
+                    return c.lookup("k")
+            threads, out = _concurrently([call, call])
+            wait_for(lambda: ha.calls > calls_before, what="an attempt at A")
+            assert _apply(p, _one_listener("test", port, eps, "\n    connect_timeout: 300ms"))
+            for t in threads:
+                t.join(20)
+            assert out == [("ok", "B:k")] * 2
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_connections_of_a_removed_listener_keep_working_on_the_old_config():
+    """A reload renames and moves the listener and points the cluster elsewhere: a client still
+    connected to the old listener keeps being served (old config) until it closes; /stats
+    shows it; then the retired cluster closes."""
+    a, b = ThriftServer(name="A"), ThriftServer(name="B")
+    port, port2 = free_ports(2)
+    try:
+        with Proxy(_one_listener("test", port, a.address)) as p:
+            kept = client(port)
+            assert kept.lookup("k") == "A:k"
+            old = p.server.clusters["up"]
+            assert _apply(p, _one_listener("test_v2", port2, b.address))
+            assert not listening(port)
+            with client(port2) as c:
+                assert c.lookup("k") == "B:k"
+            for _ in range(3):
+                assert kept.lookup("k") == "A:k"
+            snap = _snapshot(p)
+            assert snap["retired_listeners"] == [{"name": "test", "connections": 1, "in_flight": 0}]
+            assert [c["name"] for c in snap["retiring_clusters"]] == ["up"]
+            kept.close()
+            wait_for(lambda: _snapshot(p)["retiring_clusters"] == [], what="the retired cluster to close")
+            assert _snapshot(p)["retired_listeners"] == []
+            assert all(pl.closed for ep in old.endpoints for pl in ep.pools.values())
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_reload_rebuilding_a_cluster_replaces_its_health_checker():
+    up = ThriftServer()
+    port = free_ports(1)[0]
+
+    def text(ct: str) -> str:
+        return _one_listener("test", port, up.address, f"""
+    transport: framed
+    protocol: binary
+    connect_timeout: {ct}
+    health_check: {{interval: 100ms, timeout: 100ms, method: ping}}""")
+    try:
+        with Proxy(text("250ms")) as p:
+            checkers = [p.server.health["up"]]
+            for ct in ("260ms", "270ms"):
+                assert _apply(p, text(ct))
+                checkers.append(p.server.health["up"])
+            current = checkers[-1]
+            assert len({id(c) for c in checkers}) == 3
+            assert current.cluster is p.server.clusters["up"]
+            wait_for(lambda: all(c.task.done() for c in checkers[:-1]), timeout=5,
+                     what="the replaced checkers to stop")
+            assert not current.task.done()
+            assert list(_snapshot(p)["health_checks"]) == ["up"]
+    finally:
+        up.stop()
+
+
+def test_reload_moving_a_listener_to_a_port_in_use_keeps_the_old_one():
+    up = ThriftServer()
+    port, busy_port = free_ports(2)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", busy_port))
+        busy.listen(1)
+        try:
+            with Proxy(_one_listener("test", port, up.address)) as p:
+                kept = client(port)
+                assert not _apply(p, _one_listener("test", busy_port, up.address))
+                assert p.server.reloads == {"ok": 0, "failed": 1}
+                assert p.server.config.listeners[0].listen.port == port  # the old config goes on
+                assert kept.lookup("k") == "upstream:k"
+                with client(port) as c:
+                    assert c.lookup("k") == "upstream:k"
+                kept.close()
+        finally:
+            up.stop()
+
+
+def test_reload_keeps_the_socket_when_only_backlog_or_the_name_changes():
+    """Same address: the bound socket is kept (no moment with nothing listening); a rename
+    re-keys the listener, its connections and counters go on."""
+    up = ThriftServer()
+    port = free_ports(1)[0]
+    try:
+        with Proxy(_one_listener("test", port, up.address, listener_extra="\n    backlog: 100")) as p:
+            srv = p.server.servers["test"]
+            kept = client(port)
+            assert kept.lookup("k") == "upstream:k"
+            assert _apply(p, _one_listener("test", port, up.address, listener_extra="\n    backlog: 200"))
+            assert p.server.servers["test"] is srv and srv.is_serving()
+            assert _apply(p, _one_listener("renamed", port, up.address, listener_extra="\n    backlog: 200"))
+            assert p.server.servers["renamed"] is srv and srv.is_serving()
+            assert kept.lookup("k") == "upstream:k"
+            stats = _snapshot(p)["listeners"]
+            assert list(stats) == ["renamed"] and stats["renamed"]["connections"] == 1
+            assert stats["renamed"]["calls"] == 2
+            kept.close()
+    finally:
+        up.stop()
+
+
+def test_listener_counters_survive_a_reload():
+    up = ThriftServer()
+    port = free_ports(1)[0]
+    text = _one_listener("test", port, up.address)
+    try:
+        with Proxy(text) as p:
+            with client(port) as c:
+                for _ in range(5):
+                    c.lookup("k")
+            wait_for(lambda: _snapshot(p)["listeners"]["test"]["calls"] == 5, what="5 calls counted")
+            assert _apply(p, text)
+            assert _apply(p, text.replace("attempts: 2", "attempts: 3"))
+            with client(port) as c:
+                c.lookup("k")
+            assert _snapshot(p)["listeners"]["test"]["calls"] == 6
+    finally:
+        up.stop()
+
+
+def test_reload_turns_the_file_watch_on_and_off(tmp_path):
+    a, b = ThriftServer(name="A"), ThriftServer(name="B")
+    port = free_ports(1)[0]
+    path = tmp_path / "sidecar.yaml"
+
+    def text(ep: str, watch: str) -> str:
+        return _one_listener("test", port, ep, top=f"reload: {{watch: {watch}}}")
+    path.write_text(text(a.address, "false"))
+    try:
+        with Proxy(text(a.address, "false"), path=str(path)) as p:
+            assert p.server._watch is None
+            path.write_text(text(a.address, "true"))
+            assert asyncio.run_coroutine_threadsafe(p.server.reload(), p.loop).result(20)
+            path.write_text(text(b.address, "true"))  # no signal: the watch picks it up
+
+            def on_b() -> bool:
+                with client(port) as c:
+                    return c.lookup("k") == "B:k"
+            wait_for(on_b, timeout=15, what="the watched file's change to be applied")
+            watch = p.server._watch
+            path.write_text(text(b.address, "false"))
+            wait_for(lambda: p.server._watch is None and watch.done(), timeout=15,
+                     what="the watch to stop when the watched file turns it off")
+    finally:
+        a.stop()
+        b.stop()
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.loads(r.read())
+
+
+def test_drain_waits_for_a_call_on_a_listener_a_reload_removed():
+    up = ThriftServer()
+    port, port2, admin = free_ports(3)
+
+    def text(name: str, lport: int) -> str:
+        return _one_listener(name, lport, up.address, top=f"admin: {{listen: 127.0.0.1:{admin}}}\n"
+                                                          "drain_timeout: 15s")
+    with ProxyProcess(text("test", port), [port, admin]) as p:
+        kept = client(port)
+        assert kept.lookup("k") == "upstream:k"
+        p.path.write_text(text("test_v2", port2))
+        p.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: listening(port2), what="the moved listener")
+        threads, out = _concurrently([lambda: kept.sleep(2500)])
+        wait_for(lambda: up.handler.calls >= 2, what="the slow call at the upstream")
+        p.proc.send_signal(signal.SIGTERM)
+        threads[0].join(20)
+        kept.close()
+        rc = p.proc.wait(20)
+    up.stop()
+    assert out == [("ok", 2500)]
+    assert rc == 0
+
+
+def test_reload_applies_logging_and_warns_admin_changes_wait_for_a_restart():
+    up = ThriftServer()
+    port, admin, admin2 = free_ports(3)
+
+    def text(adm: int, level: str) -> str:
+        return _one_listener("test", port, up.address,
+                             top=f"admin: {{listen: 127.0.0.1:{adm}}}\nlogging: {{format: json, level: {level}}}")
+    with ProxyProcess(text(admin, "info"), [port, admin]) as p:
+        p.path.write_text(text(admin2, "debug"))
+        p.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "reloaded" in p.output(), what="the reload")
+        with client(port) as c:
+            c.lookup("k")
+        wait_for(lambda: any('"level": "debug"' in line for line in p.output().splitlines()), timeout=5,
+                 what="debug lines after the reload turned debug on")
+        assert "take effect at the next restart" in p.output()
+        assert listening(admin)
+    up.stop()
+
+
+def test_second_signal_exits_at_once_while_spans_cannot_be_exported():
+    """The collector accepts connections and never answers: a second SIGTERM during the drain
+    exits without waiting SPAN_FLUSH_TIMEOUT for the spans."""
+    from proxy.server import SPAN_FLUSH_TIMEOUT
+
+    up = ThriftServer()
+    port, hole_port = free_ports(2)
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", hole_port))
+        hole.listen(0)
+        top = (f"drain_timeout: 30s\ntracing: {{exporter: otlp, otlp_protocol: http, "
+               f"endpoint: http://127.0.0.1:{hole_port}/v1/traces, sample_ratio: 1.0}}")
+        with ProxyProcess(_one_listener("test", port, up.address, top=top), [port]) as p:
+            kept = client(port)
+            for _ in range(50):
+                kept.lookup("z")
+            p.proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: "draining" in p.output(), what="the drain")
+            t0 = time.monotonic()
+            p.proc.send_signal(signal.SIGTERM)
+            rc = p.proc.wait(30)
+            elapsed = time.monotonic() - t0
+            kept.close()
+    up.stop()
+    assert rc == 0
+    assert elapsed < SPAN_FLUSH_TIMEOUT - 1, elapsed  # ~0.1 s; the flush would take SPAN_FLUSH_TIMEOUT
