@@ -693,6 +693,20 @@ class ClientConnection(asyncio.Protocol):
 
     # -- errors and closing ------------------------------------------------------
 
+    @property
+    def max_frame_size(self) -> int:
+        """The listener's bound on a request, also on what a zlib THeader payload inflates to."""
+        return self.state.settings.max_frame_size
+
+    def refuse_more(self) -> None:
+        """A request turned out malformed only once handled (its zlib payload does not inflate,
+        or inflates past max_frame_size): as for one the codec refuses, no more requests are
+        read, and the connection closes once the replies so far (its error's included) are
+        written. (A bomb costs its inflating once per connection, not once per frame.)"""
+        if not self.closing:
+            self.closing = True
+            self._disarm_read()
+
     def _oneway_name(self, name: str) -> bool:
         """A method the listener treats as oneway (`oneway_methods`, the IDL's) even when sent
         as a CALL: nothing is ever written back for it, errors included."""

@@ -300,6 +300,8 @@ class Pipeline:
             attempt.upconn = None
             self._end_attempt(attempt, calls.NOT_SENT, False)
             call.outcome = calls.BAD_REQUEST
+            if e.close:  # as for any malformed request: that client's connection closes after it
+                call.conn.refuse_more()
             self.fail(call, e.app_type, e.message)
             return
         attempt.endpoint.outstanding += 1
@@ -338,12 +340,14 @@ class Pipeline:
                 headers[CLIENT_TIMEOUT_HEADER] = str(max(int((call.deadline - self.loop.time()) * 1000), 1))
             if self.on_send is not None:
                 self.on_send(attempt, headers)
-            return (strip_service(call.msg, framing, headers) if call.route.strip_service
-                    else reframe(call.msg, framing, headers))
+            limit = call.conn.max_frame_size
+            return (strip_service(call.msg, framing, headers, limit) if call.route.strip_service
+                    else reframe(call.msg, framing, headers, limit))
         if call._req_framing is framing:  # a retry to the same framing: made already
             return call._req_data
-        data = (strip_service(call.msg, framing) if call.route.strip_service
-                else reframe(call.msg, framing))
+        limit = call.conn.max_frame_size  # (a zlib THeader payload inflates up to it, no further)
+        data = (strip_service(call.msg, framing, None, limit) if call.route.strip_service
+                else reframe(call.msg, framing, None, limit))
         call._req_framing = framing
         call._req_data = data
         return data

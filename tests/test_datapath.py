@@ -395,31 +395,39 @@ def test_strip_service_forwards_bare_names_to_a_plain_server(framing, protocol):
         up.stop()
 
 
-def test_deflated_request_inflating_past_the_limit_is_refused():
-    """A small zlib THeader frame that would inflate past max_frame_size when re-framed."""
+@pytest.mark.parametrize("limit", [None, 1_000_000], ids=["default_limit", "max_frame_size_1MB"])
+def test_deflated_request_inflating_past_the_limit_is_refused(limit):
+    """A small zlib THeader frame that would inflate past max_frame_size when re-framed: refused
+    (the listener's max_frame_size bounds the inflating), and that client's connection closes,
+    as for any malformed request (a bomb costs its inflating once per connection)."""
     from thrift.protocol import THeaderProtocol
     from thrift.transport import THeaderTransport, TTransport
 
     from harness import HEADER_TYPES, TestService
 
     up = ThriftServer("framed", "binary")
+    extra = f"\n    max_frame_size: {limit}" if limit else ""
     try:
-        with Proxy(config_text([up.address], transport="header", cluster_transport="framed")) as p:
+        with Proxy(config_text([up.address], transport="header", cluster_transport="framed",
+                               extra_listener=extra)) as p:
             buf = TTransport.TMemoryBuffer()
             prot = THeaderProtocol.THeaderProtocol(buf, HEADER_TYPES)
             prot.add_transform(THeaderTransport.THeaderTransformID.ZLIB)
             c = TestService.Client(prot)
             c._seqid = 21
-            c.send_echo(b"\0" * 20_000_000)
+            c.send_echo(b"\0" * (2_000_000 if limit else 20_000_000))
             frame = buf.getvalue()
             assert len(frame) < 100_000
             with socket.create_connection(("127.0.0.1", p.port())) as s:
                 s.sendall(frame)
                 (r,) = read_messages(s, 1, "header")
+                s.settimeout(5)
+                assert s.recv(1) == b""  # closed after the error
             x = app_exception(r)
             assert (r.seqid, r.name) == (21, "echo")
             assert x.type == TApplicationException.PROTOCOL_ERROR
             assert x.message.startswith("thrift-sidecar: bad request:") and "exceeds" in x.message
+            assert f"exceeds {limit or 16_384_000} bytes" in x.message
             with client(p.port(), "header", "binary") as ok:  # the proxy keeps serving
                 assert ok.lookup("a") == "upstream:a"
     finally:
