@@ -154,7 +154,7 @@ def _bare(name: str) -> str:
 class UpstreamConnection(asyncio.Protocol):
     __slots__ = ("pool", "transport", "decoder", "exchange_", "idle_since", "closed", "label", "framing",
                  "protocol", "max_reply_size", "stream_threshold", "_probe", "_stream_left", "_may_stream", "_tail",
-                 "paused", "upload", "owned", "_splice")
+                 "paused", "upload", "owned", "_splice", "_write_full", "_held_oneway")
 
     def __init__(self, pool, framing: Framing, protocol: Protocol, max_reply_size: int,
                  stream_threshold: int = 0) -> None:
@@ -178,6 +178,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.paused = False                # reading paused by a streaming client's backpressure
         self.upload = None                 # the streaming request still being written (calls.Upload)
         self.owned = False                 # counted in the pool's `open` as a connection (not a connect)
+        self._write_full = False           # the transport's buffer is over its high-water mark
+        self._held_oneway = False          # kept from the pool until the upstream takes a oneway's bytes
         self._splice: splice.Splice | None = None  # moving the rest of a streaming reply (transport paused)
 
     # -- asyncio.Protocol -----------------------------------------------------
@@ -439,12 +441,18 @@ class UpstreamConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         """The upstream is not taking a streaming request's bytes: the client waits too."""
+        self._write_full = True
         if self.upload is not None:
             self.upload.hold(True)
 
     def resume_writing(self) -> None:
+        self._write_full = False
         if self.upload is not None:
             self.upload.hold(False)
+        if self._held_oneway:  # it took a oneway's bytes: free for the next call
+            self._held_oneway = False
+            if not self.closed:
+                self.pool.release(self)
 
     def connection_lost(self, exc) -> None:
         self._stop_splice()
@@ -463,12 +471,19 @@ class UpstreamConnection(asyncio.Protocol):
     # -- used by the pipeline -------------------------------------------------
 
     def exchange(self, ex: Exchange | None, data) -> None:
-        """Write a request. With `ex` None (oneway) the connection is free again at once."""
+        """Write a request. With `ex` None (oneway) the connection is free again at once, unless
+        the upstream is not taking the bytes (the transport's buffer over its high-water mark):
+        then only once it took them. So oneways sent to an upstream that stops reading fill at
+        most the pool's connections' buffers, then wait for a connection like any call (bounded
+        by acquire_timeout and max_pending), instead of piling up in one buffer without end."""
         self.exchange_ = ex
         self._probe = None
         self.transport.write(data)
         if ex is None:
-            self.pool.release(self)
+            if self._write_full:
+                self._held_oneway = True
+            else:
+                self.pool.release(self)
 
     def abandon(self) -> None:
         """The attempt gave up (timeout, client gone): a late reply must never be read as another's."""

@@ -11,6 +11,10 @@ import pytest
 from thrift.Thrift import TApplicationException
 
 from harness import (
+    ProxyProcess,
+    RawUpstream,
+    free_ports,
+    proc_status,
     oneway_as_call_then_call,
     FRAMINGS,
     PROTOCOLS,
@@ -544,3 +548,42 @@ def test_oneway_methods_sent_as_call_get_nothing_back_even_when_refused(cut):
                 p.server.listeners["test"].stats["read_timeouts"] >= 1
     finally:
         up.stop()
+
+
+class _Deaf(RawUpstream):
+    """Accepts connections and never reads from them."""
+
+    def _one(self, c: socket.socket) -> None:
+        time.sleep(60)
+
+
+def test_oneways_to_an_upstream_that_stops_reading_do_not_pile_up_in_the_proxy():
+    """A client pipelines 80 MB of oneway calls to an upstream that accepts but never reads. A
+    oneway's connection goes back to the pool only once the upstream took its bytes, so at
+    most the pool's 2 connections' buffers fill; the rest wait for a connection, are refused
+    (logged, counted as oneway_failures: never silently) and nothing is written back. Before:
+    the one connection was reused at once and its buffer took everything (a reviewer's flood
+    took the proxy from 56 to 483 MiB)."""
+    up = _Deaf()
+    (port,) = free_ports(1)
+    text = config_text([up.address], listen_port=port,
+                       extra_cluster="\n    pool: {max_connections: 2, acquire_timeout: 50ms}")
+    p = ProxyProcess(text, [port])
+    try:
+        base = proc_status(p.proc.pid, "VmRSS")
+        one = request_bytes("framed", "binary", "log_event", "e" * 10_000, seqid=0)
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            for _ in range(80):
+                s.sendall(one * 100)  # ~1 MB
+            time.sleep(1.0)
+            grown = (proc_status(p.proc.pid, "VmHWM") - base) / 1024
+            s.settimeout(0.3)
+            with pytest.raises(socket.timeout):
+                s.recv(1)  # nothing written back for a oneway, refused or not
+        print(f"proxy peak RSS +{grown:.1f} MiB after 80 MB of oneways; upstream connections {up.connections}")
+        assert grown < 32, grown
+        assert up.connections <= 2
+        assert "oneway call log_event" in p.output()  # the refused ones are logged
+    finally:
+        p.stop()
+        up.close()
