@@ -28,12 +28,15 @@ Contract with the data path, per attempt on this endpoint:
     allows()      may the balancer pick it? (reserves nothing; may move OPEN → HALF_OPEN)
     on_pick()     the call is being sent here (in HALF_OPEN this takes a probe slot)
     then exactly one of
-    record(ok)    the attempt ended and its outcome says something about the endpoint
-    release()     it ended with no such outcome (classify_for_breaker gave None, cancelled)
+    record(ok, probe)  the attempt ended and its outcome says something about the endpoint
+    release(probe)     it ended with no such outcome (classify_for_breaker gave None, cancelled)
+    (`probe`: what on_pick() returned for it, i.e. whether it holds a probe slot)
 
 Results are counted in the state they arrive in: in OPEN they are ignored
 (stale calls, or picks made while the cluster panics); a call that outlived a
-whole open period and ends in HALF_OPEN counts as a probe.
+whole open period and ends in HALF_OPEN counts as a probe, but frees no probe
+slot: only a call that took one does (else more than `half_open_probes` could
+be in flight).
 """
 
 from __future__ import annotations
@@ -104,18 +107,20 @@ class Breaker:
             return True
         return False
 
-    def release(self) -> None:
-        """A picked call ended without an outcome about this endpoint: free its probe slot."""
-        if self.state is HALF_OPEN and self.probes > 0:
+    def release(self, probe: bool = True) -> None:
+        """A picked call ended without an outcome about this endpoint: free its probe slot
+        (`probe`: it took one)."""
+        if probe and self.state is HALF_OPEN and self.probes > 0:
             self.probes -= 1
 
-    def record(self, success: bool) -> None:
-        """A picked call ended; `success` as `classify_for_breaker` says (never None here)."""
+    def record(self, success: bool, probe: bool = True) -> None:
+        """A picked call ended; `success` as `classify_for_breaker` says (never None here);
+        `probe`: it took a probe slot (on_pick() said so), which it frees."""
         state = self.state
         if state is CLOSED:
             self._record_closed(success)
         elif state is HALF_OPEN:
-            if self.probes > 0:
+            if probe and self.probes > 0:
                 self.probes -= 1
             if not success:
                 self._open("probe failed")

@@ -490,9 +490,9 @@ class Pipeline:
             else:
                 verdict = classify_for_breaker(outcome, endpoint_fault) if blame else None
             if verdict is None:
-                breaker.release()
+                breaker.release(attempt.probe)
             else:
-                breaker.record(verdict)
+                breaker.record(verdict, attempt.probe)
         if attempt.is_retry:
             limits = attempt.call.cluster.limits
             if limits is not None:

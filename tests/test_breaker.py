@@ -399,3 +399,21 @@ class BreakerMachine(RuleBasedStateMachine):
 
 TestBreakerMachine = BreakerMachine.TestCase
 TestBreakerMachine.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
+
+
+def test_a_call_picked_while_closed_frees_no_probe_slot_when_it_ends_half_open():
+    """A call picked while CLOSED that ends in HALF_OPEN counts as a probe result but holds no
+    probe slot: ending, it must not free the real probe's slot (before: a third call was
+    admitted with half_open_probes 1 and a probe still in flight)."""
+    b, clock, _ = make(consecutive_failures=1, open_for=1.0, half_open_probes=1)
+    assert b.on_pick() is False       # closed: the old call takes no slot
+    b.record(False)                   # another call fails: open
+    clock.advance(1.0)
+    assert b.allows() is True
+    assert b.on_pick() is True        # the probe
+    assert b.allows() is False
+    b.release(probe=False)            # the old call ends without a verdict
+    assert (b.state, b.probes) == (HALF_OPEN, 1)
+    assert b.allows() is False        # still one probe in flight
+    b.record(True, probe=True)        # the probe succeeds
+    assert b.state is CLOSED
