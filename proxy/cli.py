@@ -76,8 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check-config":
         return _check_config(args.file)
     if args.command == "run":
+        # SIGHUP's default action ends the process: until the server handles it (once it is
+        # up), a reload asked for is noted here (before the server's heavy imports) and done then.
+        import signal
+        early_hups: list[int] = []
+        signal.signal(signal.SIGHUP, lambda signum, frame: early_hups.append(signum))
         from proxy.server import run_from_file
-        return run_from_file(args.config)
+        return run_from_file(args.config, early_hups)
     if args.command == "demo":
         from proxy.demo import main as demo_main
         return demo_main(args)

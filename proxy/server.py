@@ -662,8 +662,10 @@ def setup_logging(cfg: cfgmod.Logging) -> None:
     root.setLevel(level)
 
 
-async def serve(config: cfgmod.Config, path: str | None = None, owns_logging: bool = False) -> int:
-    """Run until stopped; ListenError (after cleaning up) if an address cannot be listened on."""
+async def serve(config: cfgmod.Config, path: str | None = None, owns_logging: bool = False,
+                early_hups: list | None = None) -> int:
+    """Run until stopped; ListenError (after cleaning up) if an address cannot be listened on.
+    `early_hups`: SIGHUPs noted while starting (cli.main): one reload once the server is up."""
     loop = asyncio.get_running_loop()
     server = Server(config, loop, path=path)
     server.owns_logging = owns_logging
@@ -676,6 +678,9 @@ async def serve(config: cfgmod.Config, path: str | None = None, owns_logging: bo
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.request_stop)
     loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(server.reload()))
+    if early_hups:
+        log.info("SIGHUP received while starting: reloading now")
+        loop.create_task(server.reload())
     try:
         await server.wait_stopped()
     finally:
@@ -684,7 +689,7 @@ async def serve(config: cfgmod.Config, path: str | None = None, owns_logging: bo
     return 0
 
 
-def run_from_file(path: str) -> int:
+def run_from_file(path: str, early_hups: list | None = None) -> int:
     try:
         config = cfgmod.load(path)
     except cfgmod.ConfigError as e:
@@ -694,12 +699,13 @@ def run_from_file(path: str) -> int:
     setup_logging(config.logging)
     raise_nofile_limit()
     try:
-        return run(config, path, owns_logging=True)
+        return run(config, path, owns_logging=True, early_hups=early_hups)
     except ListenError as e:  # said like a config error: FILE:LINE: key: message
         print(e.line(path), file=sys.stderr)
         return 2
 
 
-def run(config: cfgmod.Config, path: str | None = None, owns_logging: bool = False) -> int:
+def run(config: cfgmod.Config, path: str | None = None, owns_logging: bool = False,
+        early_hups: list | None = None) -> int:
     import uvloop
-    return uvloop.run(serve(config, path, owns_logging))
+    return uvloop.run(serve(config, path, owns_logging, early_hups))

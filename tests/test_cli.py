@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from harness import ROOT, ProxyProcess, ThriftServer, client, config_text, free_port
+from harness import ROOT, ProxyProcess, ThriftServer, client, config_text, free_port, listening
 
 
 def _cli(*args, cwd=ROOT):
@@ -60,6 +60,52 @@ def test_run_listen_port_in_use_exits_2_with_file_line_error(tmp_path):
     assert "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1] == (
         f"{cfg}:3: listeners[0].listen: cannot listen on 127.0.0.1:{port}: address already in use"), r.stderr
+
+
+def _sighup_caught(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) & (1 << (signal.SIGHUP - 1)))
+    except FileNotFoundError:
+        pass
+    return False
+
+
+def test_sighup_while_starting_is_a_reload_once_up_not_the_end_of_the_process(tmp_path):
+    """SIGHUP's default action ends a process. The proxy handles it from before its heavy
+    imports (long before it listens): one sent while it starts is a reload once it is up.
+    Before: handled only after startup, so a reload asked for meanwhile (a config watcher, an
+    operator) killed it."""
+    up = ThriftServer()
+    port = free_port()
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text(config_text([up.address], listen_port=port))
+    proc = subprocess.Popen([sys.executable, "-m", "proxy", "run", "-c", str(cfg)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 15
+        while not _sighup_caught(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline
+            assert not listening(port), "listening before SIGHUP is handled"
+            time.sleep(0.001)
+        assert not listening(port)  # (still starting)
+        proc.send_signal(signal.SIGHUP)
+        while not listening(port):
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with client(port) as c:
+            assert c.lookup("x") == "upstream:x"
+        time.sleep(0.3)
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=20)[0]
+        up.stop()
+    assert "SIGHUP received while starting: reloading now" in out, out
+    assert "reloaded" in out, out
 
 
 def test_run_serves_then_drains_on_sigterm():
