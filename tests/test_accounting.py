@@ -61,6 +61,20 @@ def _answer(s: socket.socket, timeout: float = 5.0) -> str:
     return app_exception(m).message if m.type == 3 else "ok"
 
 
+def _config(upstream: str, route: str = "", cluster: str = "") -> str:
+    """One listener, one route to cluster `up` (`route`, `cluster`: their extra keys)."""
+    return f"""
+listeners:
+  - name: test
+    listen: 127.0.0.1:0
+    routes:
+      - cluster: up{route}
+clusters:
+  - name: up
+    endpoints: [{upstream}]{cluster}
+"""
+
+
 def _state(p, cluster: str = "up") -> dict:
     """What must be back to idle: limits, and per endpoint outstanding, breaker, probes, pools."""
     c = p.call(p.server.snapshot)["clusters"][cluster]
@@ -96,20 +110,9 @@ def test_client_reset_while_the_upstream_is_silent_frees_the_connection(probe):
         up = Scripted(lambda n, name: {1: "close", 2: "hang"}.get(n, "reply"))
     else:
         up = Scripted(lambda n, name: "hang" if n == 1 else "reply")
-    breaker = "circuit_breaker: {consecutive_failures: 1, open_for: 200ms}" if probe else ""
-    with Proxy(f"""
-listeners:
-  - name: test
-    listen: 127.0.0.1:0
-    routes:
-      - cluster: up
-        timeout: 300ms
-clusters:
-  - name: up
-    endpoints: [{up.address}]
-    pool: {{max_connections: 1, acquire_timeout: 200ms}}
-    {breaker}
-""") as p:
+    breaker = "\n    circuit_breaker: {consecutive_failures: 1, open_for: 200ms}" if probe else ""
+    with Proxy(_config(up.address, "\n        timeout: 300ms",
+                       "\n    pool: {max_connections: 1, acquire_timeout: 200ms}" + breaker)) as p:
         port = p.port()
         if probe:
             with _send(port, "lookup", "k") as s:
@@ -140,19 +143,9 @@ def test_a_retry_refused_at_once_leaves_its_retry_slot_once():
     back twice, so B's retry ending raised inside the pipeline: B was never answered and its
     max_requests slot never came back."""
     up = Scripted(lambda n, name: "hang" if n == 1 else "reply")
-    with Proxy(f"""
-listeners:
-  - name: test
-    listen: 127.0.0.1:0
-    routes:
-      - cluster: up
-        retry: {{attempts: 2, backoff: {{base: 50ms, max: 50ms}}}}
-clusters:
-  - name: up
-    endpoints: [{up.address}]
-    pool: {{max_connections: 1, acquire_timeout: 400ms}}
-    limits: {{max_pending: 1, max_requests: 4, max_retries: 16}}
-""") as p:
+    with Proxy(_config(up.address, "\n        retry: {attempts: 2, backoff: {base: 50ms, max: 50ms}}",
+                       "\n    pool: {max_connections: 1, acquire_timeout: 400ms}"
+                       "\n    limits: {max_pending: 1, max_requests: 4, max_retries: 16}")) as p:
         port = p.port()
         a = _send(port, "lookup", "k", seqid=1)  # holds the only connection: no reply
         time.sleep(0.1)
@@ -203,17 +196,8 @@ def test_clients_that_go_away_do_not_open_a_healthy_endpoints_breaker(gone):
     reply. The endpoint did nothing wrong: its breaker stays closed and the next call goes
     through (before: open, "no endpoint available")."""
     srv = ThriftServer(name="healthy")
-    with Proxy(f"""
-listeners:
-  - name: test
-    listen: 127.0.0.1:0
-    routes:
-      - cluster: up
-clusters:
-  - name: up
-    endpoints: [{srv.address}]
-    circuit_breaker: {{consecutive_failures: 3, open_for: 30s, max_open_percent: 100}}
-""") as p:
+    with Proxy(_config(srv.address, cluster="\n    circuit_breaker: "
+                                            "{consecutive_failures: 3, open_for: 30s, max_open_percent: 100}")) as p:
         port = p.port()
         where, how = gone
         for _ in range(3):
