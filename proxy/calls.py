@@ -30,6 +30,7 @@ MAY_HAVE_RUN = "may_have_run"
 TIMEOUT = "timeout"
 BAD_REQUEST = "bad_request"
 NO_ROUTE = "no_route"
+CLIENT_GONE = "client_gone"  # the client closed its connection before its reply
 
 
 class Call:

@@ -78,7 +78,7 @@ class Pipeline:
         self.rng = rng or random.Random()
         self.stats = {"calls": 0, "errors": 0, "oneway": 0, "oneway_failures": 0, "no_route": 0,
                       "retries": 0, "retries_refused_budget": 0, "retries_refused_limit": 0,
-                      "timeouts": 0, "limit_rejections": 0}
+                      "timeouts": 0, "limit_rejections": 0, "client_gone": 0}
         self.on_complete = None   # telemetry: called once per finished call
         self.on_send = None       # telemetry: headers to add for a THeader upstream (trace context)
         self.on_begin = None      # telemetry: trace context for THeader traffic
@@ -727,10 +727,29 @@ class Pipeline:
         would have nowhere to go, and nothing would bound the wait for it (the route timeout
         goes with the call): its connection is closed, as Envoy resets the upstream request
         when the downstream one goes, and the endpoint is not blamed. (A reply already
-        streaming is the listener's to stop: `_stream_failed`.)"""
+        streaming is the listener's to stop and record: `_stream_failed`.)
+
+        The call is recorded (metrics, and a trace: it counts as failed), outcome
+        `client_gone` when it had no reply yet: a client killed or reset in the middle of a
+        slow call leaves exactly the call whose hops one wants to see. (A client that only
+        half-closes, FIN, is still answered: its call goes on.)"""
         call.cancelled = True
         self._cancel_backoff(call)
         a = call.attempt
+        record = not call.streamed and call.msg is not None
+        if record:
+            self.stats["client_gone"] += 1
+            if call.reply is None:
+                up = call.upload
+                where = ("while its request was still arriving" if up is not None and not up.done
+                         else "while it waited for a connection" if a is not None and a.waiter is not None
+                         else "after its request was written" if a is not None and a.upconn is not None
+                         else "before its reply")
+                call.outcome = call.error_type = calls.CLIENT_GONE
+                call.error = f"the client closed its connection {where}"
+                call.t_done = monotonic_ns()
+            else:
+                call.never_read = True  # answered, but an earlier reply was still due: never written
         if a is not None and a.waiter is not None:
             a.waiter.cancel()
             a.waiter = None
@@ -742,3 +761,5 @@ class Pipeline:
             a.upconn.abandon()
             self._drop_attempt(a, f"the client closed its connection {what}", calls.MAY_HAVE_RUN, blame=False)
         self._release_call(call)
+        if record:
+            self.completed(call)

@@ -514,6 +514,31 @@ def test_failed_call_exported_at_ratio_zero(upstream):
     assert calls[0].attrs[spans.SAMPLED_BY] == "failed"
 
 
+def test_call_whose_client_gave_up_is_traced_and_counted_as_client_gone(upstream):
+    """A client resets its connection 300 ms into a slow call (killed, or SO_LINGER 0: gone,
+    not half-closed) at sampling ratio 0. That call is the one whose hops matter: it is
+    recorded, failed, outcome `client_gone`, with its service_time so far, and its upstream
+    connection closed. Before: it vanished (no metric, no span)."""
+    with Traced(cfg([upstream]), ratio=0.0) as t:
+        s = socket.create_connection(("127.0.0.1", t.port()))
+        s.sendall(request_bytes("framed", "binary", "sleep", 2000, seqid=9))
+        time.sleep(0.3)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()
+        (call,) = t.wait_calls(1)
+        metrics = t.proxy.server.metrics.exposition().decode()
+    assert call.attrs[spans.RPC_METHOD] == "sleep"
+    assert call.attrs[spans.SAMPLED_BY] in ("failed", "slow")  # (both; the sampler names one)
+    assert call.attrs[spans.OUTCOME] == "client_gone"
+    assert call.server.status.status_code is StatusCode.ERROR
+    assert "the client closed its connection after its request was written" in call.server.status.description
+    assert 250 <= call.total_ms < 2000, call.total_ms
+    (attempt,) = call.clients
+    assert attempt.attributes[spans.OUTCOME] == "may_have_run"
+    assert 'outcome="client_gone"' in metrics and 'method="sleep"' in metrics
+    assert t.proxy.server.listeners["test"].pipeline.stats["client_gone"] == 1
+
+
 # -- 3. trace context ------------------------------------------------------------------------
 
 
