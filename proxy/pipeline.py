@@ -109,6 +109,8 @@ class Pipeline:
         route = self.router.route(msg)
         if route is None:
             self.stats["no_route"] += 1
+            if self.on_begin is not None and msg.header is not None:
+                self.on_begin(call)  # (the client's trace, joined even by this error)
             call.outcome = calls.NO_ROUTE
             self.fail(call, AppErrorType.UNKNOWN_METHOD,
                       f"no route: method '{msg.name}' on listener '{self.listener_name}'")
@@ -230,6 +232,7 @@ class Pipeline:
         cluster = call.cluster
         msg = call.msg
         if cluster.protocol is not None and not _same_protocol(cluster.protocol, msg.protocol):
+            call.outcome = calls.NOT_SENT
             self.fail(call, AppErrorType.INTERNAL_ERROR,
                       f"not sent: the client speaks {msg.protocol.value} but cluster '{cluster.name}' "
                       f"speaks {cluster.protocol.value} (protocols are never transcoded)")

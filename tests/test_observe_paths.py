@@ -1,0 +1,70 @@
+"""What the call paths record for telemetry, over real sockets: the hop timestamps and outcomes
+the pipeline and the listener leave on a call in the unusual paths (no route on THeader, a
+protocol mismatch, requests held back at max_inflight, a streamed reply cut short), read
+through the spans they become (an in-memory exporter, tests/spans_util.Traced)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from thrift.Thrift import TApplicationException
+import pytest
+
+from harness import ThriftServer, client, read_messages, request_bytes
+from proxy import spans
+from spans_util import Traced
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_ID = "00f067aa0ba902b7"
+
+
+def _cfg(upstream: str, listener: str = "", route: str = "", cluster: str = "") -> str:
+    return f"""
+listeners:
+  - name: test
+    service: TestService
+    listen: 127.0.0.1:0{listener}
+    routes:
+      - cluster: up{route}
+clusters:
+  - name: up
+    endpoints: [{upstream}]{cluster}
+"""
+
+
+def test_a_theader_call_with_no_route_joins_the_clients_trace():
+    """The client's traceparent is joined by every call, the proxy's own errors included.
+    Before: a no-route call started a trace of its own (sidecar.new_trace true)."""
+    up = ThriftServer("header", "binary")
+    text = _cfg(up.address, "\n    transport: header").replace(
+        "      - cluster: up", "      - match: {method: ping}\n        cluster: up")
+    try:
+        with Traced(text, ratio=0.0) as t:
+            with client(t.port(), "header") as c:
+                c.header_protocol.set_header(b"traceparent", f"00-{TRACE_ID}-{PARENT_ID}-01".encode())
+                with pytest.raises(TApplicationException, match="no route"):
+                    c.lookup("x")
+            (call,) = t.wait_calls(1)
+    finally:
+        up.stop()
+    assert call.attrs[spans.OUTCOME] == "no_route"
+    assert call.server.context.trace_id == int(TRACE_ID, 16)
+    assert call.server.parent is not None and call.server.parent.span_id == int(PARENT_ID, 16)
+    assert call.attrs[spans.NEW_TRACE] is False
+
+
+def test_a_protocol_mismatch_is_not_sent_in_every_record():
+    """A binary client on a cluster that speaks compact: outcome not_sent, and error.type says
+    the same (before: "error")."""
+    up = ThriftServer("framed", "compact")
+    try:
+        with Traced(_cfg(up.address, cluster="\n    protocol: compact"), ratio=0.0) as t:
+            with client(t.port(), "framed", "binary") as c:
+                with pytest.raises(TApplicationException, match="never transcoded"):
+                    c.lookup("x")
+            (call,) = t.wait_calls(1)
+    finally:
+        up.stop()
+    assert call.attrs[spans.OUTCOME] == "not_sent"
+    assert call.attrs[spans.ERROR_TYPE] == "not_sent"
