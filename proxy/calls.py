@@ -64,7 +64,8 @@ class Call:
         self.t_done = 0                     # reply (or error) ready
         self.t_write = 0                    # first reply byte written to the client transport
         self.t_handed = 0                   # the kernel took the last reply byte
-        self.t_acked = 0                    # every reply byte left our send queue (SIOCOUTQNSD = 0)
+        self.t_acked = 0                    # every reply byte left our send queue (SIOCOUTQNSD = 0);
+                                            # with never_read: when the proxy stopped waiting for that
         self.never_read = False             # the client did not acknowledge within the cap
         self.streamed = False
         self.client_paused_ns = 0

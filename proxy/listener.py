@@ -681,6 +681,7 @@ class ClientConnection(asyncio.Protocol):
             while unacked:  # it never read: recorded as such, not waited for forever
                 _, call = unacked.popleft()
                 call.never_read = True
+                call.t_acked = now  # (when we stopped waiting: write_response lasted at least this)
                 call.pipeline.completed(call)
             return
         loop = self.state.loop
