@@ -68,3 +68,28 @@ def test_a_protocol_mismatch_is_not_sent_in_every_record():
         up.stop()
     assert call.attrs[spans.OUTCOME] == "not_sent"
     assert call.attrs[spans.ERROR_TYPE] == "not_sent"
+
+
+def test_a_reply_the_client_never_reads_shows_the_wait(monkeypatch):
+    """A 50 KB reply to a client (4 KB receive buffer) that never reads: once the proxy stops
+    waiting (the ACK cap, 300 ms here instead of 60 s), the call is recorded as never read and
+    its write_response lasts until then. Before: it ended when the kernel took the bytes it
+    could (a few ms), so the stall did not show."""
+    import proxy.listener
+
+    monkeypatch.setattr(proxy.listener, "ACK_CAP_NS", 300_000_000)
+    up = ThriftServer()
+    try:
+        with Traced(_cfg(up.address), ratio=1.0) as t:
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", t.port()))
+            with s:
+                s.sendall(request_bytes("framed", "binary", "echo", b"x" * 50_000, seqid=3))
+                (call,) = t.wait_calls(1, timeout=10.0)
+    finally:
+        up.stop()
+    write = call.hop("write_response")
+    assert write.attributes[spans.CLIENT_NEVER_READ] is True
+    assert (write.end_time - write.start_time) / 1e6 >= 250
+    assert call.total_ms >= 250
