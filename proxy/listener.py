@@ -79,7 +79,7 @@ class ClientConnection(asyncio.Protocol):
                  "closing", "paused_reading", "paused_writing", "_read_timer", "_idle_timer",
                  "_last_active", "_linger", "fd", "bytes_out", "_unacked", "_ack_poll", "_ack_delay",
                  "stream_call", "stream_up", "_paused_at", "_framing", "_eof", "_stall_timer",
-                 "_stall_mark", "upload", "_upload_at", "_upload_held")
+                 "_stall_mark", "upload", "_upload_at", "_upload_held", "_closed_why")
 
     def __init__(self, state: ListenerState) -> None:
         self.state = state
@@ -108,6 +108,7 @@ class ClientConnection(asyncio.Protocol):
         self._eof = False                      # half-closed while requests wait in the decoder
         self._stall_timer = None               # armed while writing is paused
         self._stall_mark = 0                   # bytes the client had read when it was armed
+        self._closed_why: str | None = None    # why the proxy itself closed it (else: the client did)
         self.upload: Upload | None = None      # a large request passing upstream as it arrives
         self._upload_at = UNDECIDED            # bytes past which the request arriving streams
         self._upload_held = False              # reading paused for the upload (calls.Upload.paused)
@@ -441,11 +442,13 @@ class ClientConnection(asyncio.Protocol):
         up = self.stream_up
         if up is not None:  # gone mid-stream: its upstream connection (maybe paused) goes too
             call = self.stream_call
+            self._stream_times(call)  # (before the splice, if any, stops: it would end the pause)
             self.stream_call = self.stream_up = None
             up.abandon()
             a = call.attempt
             if a is not None and not a.ended:
-                call.pipeline._stream_failed(a, "the client closed its connection", blame=False)
+                call.pipeline._stream_failed(a, self._closed_why or "the client closed its connection",
+                                             blame=False)
         if self._ack_poll is not None:
             self._ack_poll.cancel()
             self._ack_poll = None
@@ -493,6 +496,7 @@ class ClientConnection(asyncio.Protocol):
         self.state.stats["write_stalls"] += 1
         log.info("client %s on listener %s read no reply byte for %gs (%d bytes waiting): closing",
                  self.peer, self.state.settings.name, timeout, self.transport.get_write_buffer_size())
+        self._closed_why = f"the client read no reply byte for {timeout:g}s (write stall: closed by the proxy)"
         self.transport.abort()
 
     def resume_writing(self) -> None:
@@ -562,12 +566,7 @@ class ClientConnection(asyncio.Protocol):
             return
         self.stream_call = None
         self.stream_up = None  # (the upstream connection resumed its own reading when it finished)
-        if self.paused_writing:
-            call.client_paused_ns += monotonic_ns() - self._paused_at
-            self._paused_at = monotonic_ns()
-        a = call.attempts[-1] if call.attempts else None
-        if a is not None and a.t_reply and a.t_first_reply:
-            call.upstream_wait_ns = max(a.t_reply - a.t_first_reply - call.client_paused_ns, 0)
+        self._stream_times(call)
         q = self.queue
         if q and q[0] is call:
             q.popleft()
@@ -584,12 +583,25 @@ class ClientConnection(asyncio.Protocol):
             elif self.paused_reading:
                 self._maybe_resume()
 
+    def _stream_times(self, call: Call) -> None:
+        """A stream is over (whole or cut): the time the client held it back, a pause still
+        open included, and the time it waited for upstream bytes (the spans' client_paused_ms
+        and upstream_wait_ms, which `hops` splits the overlap with)."""
+        if self.paused_writing:
+            now = monotonic_ns()
+            call.client_paused_ns += now - self._paused_at
+            self._paused_at = now
+        a = call.attempts[-1] if call.attempts else None
+        if a is not None and a.t_reply and a.t_first_reply:
+            call.upstream_wait_ns = max(a.t_reply - a.t_first_reply - call.client_paused_ns, 0)
+
     def stream_abort(self, call: Call) -> None:
         """The reply broke after bytes reached the client: only closing its connection is left.
         The call is over all the same: recorded (metrics, a failed call's spans) like any other,
         its write_response hop ending now."""
         self.stream_call = None
         self.stream_up = None
+        self._stream_times(call)
         q = self.queue
         if q and q[0] is call:
             q.popleft()

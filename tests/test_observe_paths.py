@@ -93,3 +93,24 @@ def test_a_reply_the_client_never_reads_shows_the_wait(monkeypatch):
     assert write.attributes[spans.CLIENT_NEVER_READ] is True
     assert (write.end_time - write.start_time) / 1e6 >= 250
     assert call.total_ms >= 250
+
+
+def test_a_stream_cut_by_a_write_stall_keeps_the_clients_pause_and_says_why():
+    """A ~10 MB streamed reply that its client never reads: the proxy closes it after
+    request_read_timeout (1 s). The call's span keeps the time the client held the stream back
+    (so `hops` blames write_response, not the upstream) and says the proxy closed it for a
+    write stall. Before: client_paused_ms 0 and "the client closed its connection"."""
+    up = ThriftServer()
+    try:
+        with Traced(_cfg(up.address, "\n    request_read_timeout: 1s"), ratio=1.0) as t:
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", t.port()))
+            with s:
+                s.sendall(request_bytes("framed", "binary", "get_users", 58000, 0, seqid=3))
+                (call,) = t.wait_calls(1, timeout=15.0)
+    finally:
+        up.stop()
+    assert call.attrs[spans.STREAMED] is True
+    assert call.attrs[spans.CLIENT_PAUSED_MS] >= 700, call.attrs[spans.CLIENT_PAUSED_MS]
+    assert "write stall" in call.server.status.description, call.server.status.description
