@@ -486,6 +486,12 @@ class Pipeline:
         if attempt.timer is not None:
             attempt.timer.cancel()
             attempt.timer = None
+        if outcome is calls.TIMEOUT and blame and attempt.t_written:
+            # A timed-out attempt took at least this long: peak_ewma must see it (as Finagle's
+            # and linkerd's do), or an endpoint that hangs now and then looks fast.
+            call = attempt.call
+            if call is not None and call.cluster.tracks_latency:
+                attempt.endpoint.ewma.observe(((attempt.t_reply or monotonic_ns()) - attempt.t_written) / 1e9)
         breaker = attempt.endpoint.breaker
         if breaker is not None:
             if outcome is calls.SUCCESS:

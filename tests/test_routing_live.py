@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -310,3 +311,53 @@ def test_file_discovery_symlink_swap_adds_and_removes_under_load(tmp_path):
     finally:
         for u in ups:
             u.stop()
+
+
+def test_peak_ewma_counts_the_time_of_attempts_that_timed_out():
+    """peak_ewma: A hangs on every third lookup (cut by per_try_timeout 50 ms, retried on B), B
+    answers in 5 ms. A timed-out attempt lasted at least 50 ms, and the estimate must see it
+    (as Finagle's and linkerd's do): A's estimate ends above B's and A gets the smaller share.
+    Before: only replies were observed, A looked faster than B (2.7 vs 7.7 ms) and kept half
+    of the traffic."""
+    import itertools
+
+    from harness import Handler
+
+    class Hangy(Handler):
+        n = itertools.count()
+
+        def lookup(self, key):
+            self._hit("lookup")
+            if next(self.n) % 3 == 0:
+                time.sleep(2)
+            return f"{self.name}:{key}"
+
+    a, b = ThriftServer(name="A", handler=Hangy("A")), ThriftServer(name="B")
+    b.handler.sleep_ms = 5
+    routes = ("      - cluster: c\n        retry: {attempts: 2, idempotent: true, per_try_timeout: 50ms,"
+              " backoff: {base: 1ms, max: 2ms}}")
+    clusters = cluster_yaml("c", f"[{a.address}, {b.address}]", "peak_ewma") + \
+        "    circuit_breaker: {consecutive_failures: 0, failure_rate: 0}\n"
+    try:
+        with Proxy(proxy_yaml(routes, clusters)) as p:
+            stop = time.monotonic() + 3
+
+            def load():
+                with client(p.port()) as c:
+                    while time.monotonic() < stop:
+                        c.lookup("k")
+
+            threads = [threading.Thread(target=load) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            eps = {ep.port: ep for ep in p.server.clusters["c"].endpoints}
+            ewma_a, ewma_b = (p.call(eps[s.port].ewma.estimate) for s in (a, b))
+        share_a = a.handler.calls / (a.handler.calls + b.handler.calls)
+        print(f"A share {share_a:.0%}; estimates A {ewma_a * 1000:.1f} ms, B {ewma_b * 1000:.1f} ms")
+        assert ewma_a > ewma_b
+        assert share_a < 0.4, share_a
+    finally:
+        a.stop()
+        b.stop()
