@@ -79,7 +79,7 @@ class ClientConnection(asyncio.Protocol):
                  "closing", "paused_reading", "paused_writing", "_read_timer", "_idle_timer",
                  "_last_active", "_linger", "fd", "bytes_out", "_unacked", "_ack_poll", "_ack_delay",
                  "stream_call", "stream_up", "_paused_at", "_framing", "_eof", "_stall_timer",
-                 "_stall_mark", "upload", "_upload_at", "_upload_held", "_closed_why")
+                 "_stall_mark", "upload", "_upload_at", "_upload_held", "_closed_why", "_held_since")
 
     def __init__(self, state: ListenerState) -> None:
         self.state = state
@@ -112,6 +112,7 @@ class ClientConnection(asyncio.Protocol):
         self.upload: Upload | None = None      # a large request passing upstream as it arrives
         self._upload_at = UNDECIDED            # bytes past which the request arriving streams
         self._upload_held = False              # reading paused for the upload (calls.Upload.paused)
+        self._held_since = 0                   # requests held back at max_inflight arrived by then
 
     # -- asyncio.Protocol -----------------------------------------------------
 
@@ -184,6 +185,8 @@ class ClientConnection(asyncio.Protocol):
         limit = self.state.settings.max_inflight
         if len(self.queue) >= limit and self.upload is None:  # (an upload's bytes are its counted call's)
             self._disarm_read()  # bytes we hold back are not the client's delay
+            if dec.buffered and not self._held_since:
+                self._held_since = self.t_first  # (when the bytes held back arrived)
             if not self.paused_reading:
                 self.paused_reading = True
                 self.transport.pause_reading()
@@ -215,11 +218,15 @@ class ClientConnection(asyncio.Protocol):
                 break
             self._upload_at = UNDECIDED
             t_start = self.t_first
+            t_framed = now
+            held = self._held_since
+            if held:  # held back by us at max_inflight: it was here (whole) all that time, which
+                t_start = t_framed = min(held, t_start)  # counts in its total, not as the client's
             self.t_first = now
             if msg.type != M_CALL and msg.type != M_ONEWAY:
                 self._bad_type(msg)
                 return
-            pipeline.handle(self, msg, t_start, now)
+            pipeline.handle(self, msg, t_start, t_framed)
             if self.closing:
                 return
 
@@ -655,7 +662,9 @@ class ClientConnection(asyncio.Protocol):
                 now = monotonic_ns()
                 if self._read_timer is None:
                     self.t_first = now  # held by us, not late: its read deadline starts now
-                self._frame_requests(now)
+                self._frame_requests(now)  # (whole held requests start when they arrived: _held_since)
+                if not self.paused_reading:
+                    self._held_since = 0  # every whole held request is framed (else: held again)
 
     # -- the write_response hop: until the client acknowledged every byte -------------
 

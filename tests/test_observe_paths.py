@@ -114,3 +114,24 @@ def test_a_stream_cut_by_a_write_stall_keeps_the_clients_pause_and_says_why():
     assert call.attrs[spans.STREAMED] is True
     assert call.attrs[spans.CLIENT_PAUSED_MS] >= 700, call.attrs[spans.CLIENT_PAUSED_MS]
     assert "write stall" in call.server.status.description, call.server.status.description
+
+
+def test_requests_held_back_at_max_inflight_count_their_wait():
+    """One write: sleep(300) then 131 pings on one connection. The listener keeps 128 calls open
+    per connection; the last pings wait, whole, in its buffer until replies go out. Every ping's
+    client waited ~300 ms, and every ping's recorded total says so (slow_call 100 ms keeps them
+    at ratio 0). Before: the held ones started when they were framed (~1 ms totals, not kept)."""
+    up = ThriftServer()
+    try:
+        with Traced(_cfg(up.address, route="\n        slow_call: 100ms"), ratio=0.0) as t:
+            with socket.create_connection(("127.0.0.1", t.port())) as s:
+                s.sendall(request_bytes("framed", "binary", "sleep", 300, seqid=0) + b"".join(
+                    request_bytes("framed", "binary", "ping", seqid=i) for i in range(1, 132)))
+                read_messages(s, 132)
+            calls = t.wait_calls(132, timeout=10.0)
+    finally:
+        up.stop()
+    pings = {c.attrs[spans.SEQID]: c for c in calls if c.attrs[spans.RPC_METHOD] == "ping"}
+    assert sorted(pings) == list(range(1, 132))  # all kept as slow
+    for seqid in (1, 127, 128, 131):
+        assert pings[seqid].total_ms >= 250, (seqid, pings[seqid].total_ms)
