@@ -1,9 +1,9 @@
 """Active health checks: call a configured Thrift method on each endpoint every `interval`.
 
-A TApplicationException, a declared exception, a timeout or a connection
-failure is a failed check; one failed check takes the endpoint out
-(`ep.healthy = False`, so the balancer skips it like an open breaker) and one
-passing check brings it back. Needs the cluster's framing and protocol (the
+A TApplicationException (logged with its type and message), a declared
+exception, a timeout or a connection failure is a failed check; one failed
+check takes the endpoint out (`ep.healthy = False`, so the balancer skips it
+like an open breaker) and one passing check brings it back. Needs the cluster's framing and protocol (the
 config enforces it). Lifecycle work: one task per cluster, its own
 connections (never the pool's), so checks never queue behind calls.
 """
@@ -13,10 +13,35 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from thrift.protocol.TBinaryProtocol import TBinaryProtocol
+from thrift.protocol.TCompactProtocol import TCompactProtocol
+from thrift.Thrift import TApplicationException
+from thrift.transport.TTransport import TMemoryBuffer
+
 from proxy.codec import Decoder, Framing, MessageType, Protocol, ProtocolError, frame_payload
 from proxy.codec.heads import encode_head
+from proxy.codec.wire import AppErrorType
+from proxy.pool import describe_connect_error
 
 log = logging.getLogger(__name__)
+
+
+def describe_app_exception(reply) -> str:
+    """'TApplicationException UNKNOWN_METHOD: <its message>' from an EXCEPTION reply, as far as it
+    decodes."""
+    try:
+        prot_cls = TCompactProtocol if reply.protocol is Protocol.COMPACT else TBinaryProtocol
+        prot = prot_cls(TMemoryBuffer(bytes(reply.payload())))
+        prot.readMessageBegin()
+        x = TApplicationException()
+        x.read(prot)
+    except Exception as e:  # noqa: BLE001 - any garbage in the body: say so, the check failed anyway
+        return f"TApplicationException (body does not decode: {type(e).__name__})"
+    try:
+        kind = AppErrorType(x.type).name
+    except ValueError:
+        kind = f"type {x.type}"
+    return f"TApplicationException {kind}: {x.message}" if x.message else f"TApplicationException {kind}"
 
 
 def check_request(method: str, seqid: int, framing: Framing, protocol: Protocol) -> bytes:
@@ -45,15 +70,15 @@ async def check_once(host: str, port: int, method: str, framing: Framing, protoc
                     break
     except TimeoutError:
         return f"no reply within {timeout * 1000:.0f}ms"
-    except OSError as e:
-        return f"connect failed: {e.strerror or e}"
+    except OSError as e:  # ssl.SSLError included
+        return f"connect failed: {describe_connect_error(e, ssl is not None)}"
     except ProtocolError as e:
         return f"bad reply: {e.message}"
     finally:
         if writer is not None:
             writer.close()
     if reply.type == MessageType.EXCEPTION:
-        return "TApplicationException"
+        return describe_app_exception(reply)
     if reply.seqid != seqid:
         return f"reply seqid {reply.seqid} != {seqid}"
     field = reply.result_field()

@@ -23,6 +23,17 @@ from proxy.upstream import UpstreamConnection, UpstreamError
 log = logging.getLogger(__name__)
 
 
+def describe_connect_error(e: BaseException, tls: bool) -> str:
+    """Why a connect (and TLS handshake) failed, never empty: an upstream that closes during the
+    TLS handshake raises ConnectionResetError('') (no errno, no text)."""
+    reason = (e.strerror if isinstance(e, OSError) else None) or str(e)
+    if reason:
+        return reason
+    if tls and isinstance(e, (ConnectionError, EOFError)):
+        return f"{type(e).__name__}: connection closed during the TLS handshake"
+    return type(e).__name__
+
+
 @dataclass(frozen=True, slots=True)
 class PoolSettings:
     max_connections: int = 64
@@ -178,7 +189,7 @@ class Pool:
         except (OSError, ssl_mod.SSLError) as e:
             self.open -= 1
             self.stats["connect_failures"] += 1
-            reason = e.strerror or str(e) if isinstance(e, OSError) else str(e)
+            reason = describe_connect_error(e, self.ssl is not None)
             log.warning("connect to %s failed: %s", self.label, reason)
             w.fire(None, UpstreamError(f"connect to {self.label} failed: {reason}", written=False))
             return

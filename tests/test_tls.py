@@ -8,11 +8,14 @@ socket does a server-side TLS handshake first (mutual TLS when asked).
 Shown: calls succeed over TLS and over mutual TLS; a wrong CA and a wrong
 server name fail with "not sent" and a log line giving the handshake's reason;
 unusable certificate files are refused when the config is built; a new config
-load reads the files again.
+load reads the files again. An upstream that closes during the handshake gets
+a reason, not a blank.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import random
 import shutil
@@ -23,8 +26,10 @@ from pathlib import Path
 import pytest
 from thrift.Thrift import TApplicationException
 
-from harness import Proxy, ThriftServer, client, config_text
+from harness import Proxy, RawUpstream, ThriftServer, client, config_text
 from proxy import config as cfgmod
+from proxy.codec import Framing, Protocol
+from proxy.health import check_once
 from proxy.server import build_cluster
 from proxy.tls import TlsError, client_context
 
@@ -208,3 +213,34 @@ def test_each_config_load_reads_the_files_again(pki, tmp_path):
     second = build_cluster(cfg, None, random.Random(1))
     assert [c["subject"] for c in second.ssl.get_ca_certs()] == [((("commonName", "other-ca"),),)]
     assert [c["subject"] for c in first.ssl.get_ca_certs()] == [((("commonName", "ca"),),)]
+
+
+class HelloThenClose(RawUpstream):
+    """Reads the proxy's ClientHello and closes without a byte: the proxy's handshake ends in
+    ConnectionResetError('') (no errno, no text)."""
+
+    def _one(self, c) -> None:
+        with contextlib.suppress(OSError):
+            c.recv(4096)
+            c.close()
+
+
+def test_upstream_closing_during_the_handshake_is_named_not_blank(pki, caplog):
+    up = HelloThenClose()
+    hint = "ConnectionResetError: connection closed during the TLS handshake"
+    try:
+        with caplog.at_level(logging.WARNING, logger="proxy.pool"):
+            yaml = tls_yaml(ca=pki / "ca.pem", server_name="users.internal")
+            with Proxy(config_text([up.address], extra_cluster=yaml)) as p, client(p.port()) as c:
+                with pytest.raises(TApplicationException) as e:
+                    c.lookup("x")
+        assert e.value.message == f"thrift-sidecar: not sent: connect to {up.address} failed: {hint}"
+        lines = [r.getMessage() for r in caplog.records if r.name == "proxy.pool"]
+        assert f"connect to {up.address} failed: {hint}" in lines, lines
+        # an active health check says the same
+        why = asyncio.run(check_once("127.0.0.1", up.port, "ping", Framing.FRAMED, Protocol.BINARY, 5.0,
+                                     ssl=client_context(cluster_cfg(pki, ca=pki / "ca.pem").tls, "c"),
+                                     server_hostname="users.internal"))
+        assert why == f"connect failed: {hint}"
+    finally:
+        up.close()
