@@ -1,11 +1,14 @@
 """Active health checks: call a configured Thrift method on each endpoint every `interval`.
 
 A TApplicationException (logged with its type and message), a declared
-exception, a timeout or a connection failure is a failed check; one failed
-check takes the endpoint out (`ep.healthy = False`, so the balancer skips it
-like an open breaker) and one passing check brings it back. Needs the cluster's framing and protocol (the
-config enforces it). Lifecycle work: one task per cluster, its own
-connections (never the pool's), so checks never queue behind calls.
+exception, a reply that does not decode, a timeout or a connection failure
+is a failed check; one failed check takes the endpoint out (`ep.healthy =
+False`, so the balancer skips it like an open breaker) and one passing check
+brings it back. Needs the cluster's framing and protocol (the config enforces
+it). Lifecycle work: one task per cluster, its own connections (never the
+pool's), so checks never queue behind calls. Whatever a check raises counts
+as that check's failure, and the task logs and survives anything else: it
+never stops while its cluster lives.
 """
 
 from __future__ import annotations
@@ -68,20 +71,22 @@ async def check_once(host: str, port: int, method: str, framing: Framing, protoc
                 reply = dec.next_message()
                 if reply is not None:
                     break
+        if reply.type == MessageType.EXCEPTION:
+            return describe_app_exception(reply)
+        if reply.seqid != seqid:
+            return f"reply seqid {reply.seqid} != {seqid}"
+        if reply.type != MessageType.REPLY:
+            return f"message type {reply.type} where a REPLY was due"
+        field = reply.result_field()  # may raise ProtocolError (a truncated result struct)
     except TimeoutError:
         return f"no reply within {timeout * 1000:.0f}ms"
     except OSError as e:  # ssl.SSLError included
         return f"connect failed: {describe_connect_error(e, ssl is not None)}"
     except ProtocolError as e:
-        return f"bad reply: {e.message}"
+        return e.message if e.message.startswith("bad reply") else f"bad reply: {e.message}"
     finally:
         if writer is not None:
             writer.close()
-    if reply.type == MessageType.EXCEPTION:
-        return describe_app_exception(reply)
-    if reply.seqid != seqid:
-        return f"reply seqid {reply.seqid} != {seqid}"
-    field = reply.result_field()
     if field is not None and field > 0:
         return f"declared exception (result field {field})"
     return None
@@ -108,25 +113,38 @@ class HealthChecker:
     async def _run(self) -> None:
         seqid = 0
         while True:
-            eps = list(self.cluster.endpoints)
             seqid += 1
-            results = await asyncio.gather(*(
-                check_once(ep.host, ep.port, self.method, self.cluster.framing, self.cluster.protocol,
-                           self.timeout, seqid, self.cluster.ssl, self.cluster.server_name or ep.host)
-                for ep in eps))
-            for ep, why in zip(eps, results):
-                self.stats["checks"] += 1
-                healthy = why is None
-                if not healthy:
-                    self.stats["failures"] += 1
-                if healthy != ep.healthy:
-                    ep.healthy = healthy
-                    if healthy:
-                        self.stats["brought_back"] += 1
-                        log.warning("health check of %s in cluster %s passes again: back in",
-                                    ep.label, self.cluster.name)
-                    else:
-                        self.stats["taken_out"] += 1
-                        log.warning("health check %s() of %s in cluster %s failed: %s; taken out",
-                                    self.method, ep.label, self.cluster.name, why)
+            try:
+                await self._round(seqid)
+            except Exception:  # a bug here must not end health checking for the cluster, silently
+                log.exception("health checks of cluster %s: round failed; next round in %gs",
+                              self.cluster.name, self.interval)
             await asyncio.sleep(self.interval)
+
+    async def _round(self, seqid: int) -> None:
+        eps = list(self.cluster.endpoints)
+        results = await asyncio.gather(*(
+            check_once(ep.host, ep.port, self.method, self.cluster.framing, self.cluster.protocol,
+                       self.timeout, seqid, self.cluster.ssl, self.cluster.server_name or ep.host)
+            for ep in eps), return_exceptions=True)
+        for ep, why in zip(eps, results):
+            if isinstance(why, BaseException):
+                # check_once turns every failure it knows into a reason; anything else is a bug
+                # there, and still a failed check of this endpoint (the others' results stand)
+                log.error("health check %s() of %s in cluster %s raised", self.method, ep.label,
+                          self.cluster.name, exc_info=why)
+                why = f"check raised {type(why).__name__}: {why}"
+            self.stats["checks"] += 1
+            healthy = why is None
+            if not healthy:
+                self.stats["failures"] += 1
+            if healthy != ep.healthy:
+                ep.healthy = healthy
+                if healthy:
+                    self.stats["brought_back"] += 1
+                    log.warning("health check of %s in cluster %s passes again: back in",
+                                ep.label, self.cluster.name)
+                else:
+                    self.stats["taken_out"] += 1
+                    log.warning("health check %s() of %s in cluster %s failed: %s; taken out",
+                                self.method, ep.label, self.cluster.name, why)
