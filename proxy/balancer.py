@@ -7,9 +7,11 @@ discovery (integers >= 1).
 - round_robin: smooth weighted round robin (nginx's): deterministic, each
   endpoint gets exactly its share of every `sum(weights)` picks, spread out.
 - random: weighted random.
-- least_request: power of two choices over outstanding requests. The two
-  candidates are drawn by weight without replacement; the one with fewer
-  outstanding requests per unit of weight wins (a tie goes to the first
+- least_request: power of two choices over outstanding requests (`outstanding`:
+  requests written and awaiting their reply, plus connects in progress, which
+  `proxy.cluster` counts so that an endpoint whose connects hang does not look
+  idle). The two candidates are drawn by weight without replacement; the one
+  with fewer outstanding requests per unit of weight wins (a tie goes to the first
   drawn, so an idle cluster is served in proportion to weights).
 - peak_ewma: the same P2C over cost = peak-sensitive latency EWMA ×
   (1 + outstanding / weight), as in Finagle and linkerd (`proxy.ewma`) with

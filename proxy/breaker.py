@@ -32,6 +32,13 @@ Contract with the data path, per attempt on this endpoint:
     release(probe)     it ended with no such outcome (classify_for_breaker gave None, cancelled)
     (`probe`: what on_pick() returned for it, i.e. whether it holds a probe slot)
 
+Failed connects are the exception: the pool reports each one (through
+`proxy.cluster`) as `record(False, probe=False)` when it fails, whether or not
+the attempt that wanted it still waits (a per-try or route timeout shorter
+than connect_timeout stops waiting first); the attempt itself then ends with
+`release(probe)` (its error says endpoint_fault=False), so each failed
+connect counts exactly once.
+
 Results are counted in the state they arrive in: in OPEN they are ignored
 (stale calls, or picks made while the cluster panics); a call that outlived a
 whole open period and ends in HALF_OPEN counts as a probe, but frees no probe
@@ -195,11 +202,13 @@ def classify_for_breaker(outcome: str, endpoint_fault: bool = True) -> bool | No
     """True = success, False = failure, None = says nothing about the endpoint.
 
     A declared exception is the service answering as designed: success.
-    NOT_SENT is a failure only when the endpoint caused it (connect refused or
-    timed out, TLS failed): pass `endpoint_fault=False` when the proxy itself
+    NOT_SENT is a failure only when the endpoint caused it and it is not
+    counted elsewhere: pass `endpoint_fault=False` when the proxy itself
     refused before touching the endpoint (a `limits` counter full, the retry
-    budget spent, the client gone) — those give None. Outcomes that are not
-    an upstream attempt's (bad_request, no_route, unknown) give None.
+    budget spent, the client gone) and for a failed connect (refused, timed
+    out, TLS failed), which its pool already counted (see the module
+    docstring) — those give None. Outcomes that are not an upstream attempt's
+    (bad_request, no_route, unknown) give None.
     """
     if outcome in _SUCCESS:
         return True

@@ -4,7 +4,9 @@
 fails (unless more than `max_open_percent` are out: then the cluster panics
 and ignores health),
 then asks the balancer. `pool()` returns the pool for (endpoint, framing,
-protocol); TLS is the cluster's own, so the key is complete.
+protocol); TLS is the cluster's own, so the key is complete. Each pool tells
+its endpoint of its connects (`_connect_hooks`): one in progress counts in
+`outstanding`, one that fails counts against the endpoint's breaker.
 
 `set_endpoints()` is how discovery (`proxy.discovery`) changes the set: kept
 endpoints keep their pools, counters, latency estimate and breaker; a removed
@@ -32,6 +34,23 @@ from proxy.endpoint import Endpoint
 from proxy.pool import Pool, PoolSettings
 
 log = logging.getLogger(__name__)
+
+
+def _connect_hooks(endpoint: Endpoint):
+    """A pool's connects, as its endpoint sees them: one in progress is load (`outstanding`, what
+    least_request and peak_ewma weigh: a connect that hangs, to a blackholed address, must not
+    look idle), and one that failed is the endpoint's failure, counted by its breaker here and
+    only here, whether or not the call that wanted it still waits (a per-try or route timeout
+    shorter than connect_timeout gives up first, blaming nobody)."""
+    def start() -> None:
+        endpoint.outstanding += 1
+
+    def end(ok: bool | None) -> None:
+        endpoint.outstanding -= 1
+        if ok is False and endpoint.breaker is not None:
+            endpoint.breaker.record(False, False)
+
+    return start, end
 
 
 class Cluster:
@@ -112,6 +131,7 @@ class Cluster:
             pool = endpoint.pools[key] = Pool(
                 self.loop, endpoint.host, endpoint.port, framing, protocol, self.pool_settings,
                 ssl=self.ssl, server_hostname=self.server_name or endpoint.host)
+            pool.on_connect_start, pool.on_connect_end = _connect_hooks(endpoint)
         return pool
 
     def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:

@@ -5,6 +5,15 @@ open connections, waiters served in order with an acquire deadline, a connect
 deadline, idle eviction. Acquiring is a plain call on the hot path: an idle
 connection is returned at once; only a new connection (a connect, amortised
 over many calls) or a full pool makes the caller wait for a callback.
+
+Every connect is the pool's to report, whether or not its caller still waits
+(a per-try or route timeout shorter than `connect_timeout` stops waiting
+first): `on_connect_start()` / `on_connect_end(ok)`, set by the owner
+(`proxy.cluster`, which counts a connect in progress as load on the endpoint
+and a failed one against its breaker), and a log line for each failure, a
+timeout as much as a refusal. The error handed to a waiter then says
+`endpoint_fault=False`: the failure was reported once, here, and the caller's
+attempt must not count it again.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import ssl as ssl_mod
 from collections import deque
 from dataclasses import dataclass
 from time import monotonic
+from typing import Callable
 
 from proxy.clock import STALL_GRACE
 from proxy.codec import Framing, Protocol
@@ -98,6 +108,11 @@ class Pool:
         self.waiters: deque[Waiter] = deque()
         self.closed = False
         self._sweep: asyncio.TimerHandle | None = None
+        # The owner's (proxy.cluster) hooks: a connect started; it ended (ok or failed), whether
+        # or not a caller still waits for it. With on_connect_end set, the pool is where a failed
+        # connect is counted against the endpoint (its errors to waiters say endpoint_fault=False).
+        self.on_connect_start: Callable[[], None] | None = None
+        self.on_connect_end: Callable[[bool | None], None] | None = None  # ok; None: cancelled
         self.stats = {"connects": 0, "connect_failures": 0, "acquire_timeouts": 0, "evicted": 0,
                       # large messages passed by splice(2) (proxy.splice), or not (no fd or pipe to be had)
                       "spliced_replies": 0, "spliced_requests": 0, "spliced_bytes": 0, "splice_failures": 0}
@@ -121,9 +136,7 @@ class Pool:
                                                             endpoint_fault=False))
             return w
         if self.open < self.settings.max_connections:
-            self.open += 1
-            self.connecting += 1
-            self.loop.create_task(self._connect(w))
+            self._start_connect(w)
         else:
             w.timer = self.loop.call_later(self.settings.acquire_timeout, self._acquire_timeout, w)
             w.queue = self.waiters
@@ -166,33 +179,44 @@ class Pool:
             if w.timer is not None:
                 w.timer.cancel()
                 w.timer = None
-            self.open += 1
-            self.connecting += 1
-            self.loop.create_task(self._connect(w))
+            self._start_connect(w)
 
     # -- lifecycle work (tasks are fine here: not per call) --------------------
+
+    def _start_connect(self, w: Waiter) -> None:
+        self.open += 1
+        self.connecting += 1
+        if self.on_connect_start is not None:
+            self.on_connect_start()
+        self.loop.create_task(self._connect(w))
 
     async def _connect(self, w: Waiter) -> None:
         s = self.settings
         try:
-            try:
-                conn = await self._open(s)
-            finally:
-                self.connecting -= 1
-        except TimeoutError:
+            conn = await self._open(s)
+        except (OSError, ssl_mod.SSLError) as e:  # TimeoutError is an OSError too
+            self.connecting -= 1
             self.open -= 1
             self.stats["connect_failures"] += 1
-            w.fire(None, UpstreamError(
-                f"connect to {self.label} timed out after {s.connect_timeout * 1000:.0f}ms", written=False,
-                timeout=True))
+            timeout = isinstance(e, TimeoutError) and e.errno is None  # our deadline (else the kernel's)
+            reason = (f"timed out after {s.connect_timeout * 1000:.0f}ms" if timeout
+                      else f"failed: {describe_connect_error(e, self.ssl is not None)}")
+            log.warning("connect to %s %s", self.label, reason)
+            if self.on_connect_end is not None:
+                # before the waiter hears of it: a failure may open the breaker, and a retry
+                # then picks another endpoint
+                self.on_connect_end(False)
+            w.fire(None, UpstreamError(f"connect to {self.label} {reason}", written=False, timeout=timeout,
+                                       endpoint_fault=self.on_connect_end is None))
             return
-        except (OSError, ssl_mod.SSLError) as e:
-            self.open -= 1
-            self.stats["connect_failures"] += 1
-            reason = describe_connect_error(e, self.ssl is not None)
-            log.warning("connect to %s failed: %s", self.label, reason)
-            w.fire(None, UpstreamError(f"connect to {self.label} failed: {reason}", written=False))
-            return
+        except BaseException:  # cancelled (the loop is going away): says nothing about the endpoint
+            self.connecting -= 1
+            if self.on_connect_end is not None:
+                self.on_connect_end(None)
+            raise
+        self.connecting -= 1
+        if self.on_connect_end is not None:
+            self.on_connect_end(True)
         self.stats["connects"] += 1
         conn.owned = True
         if not w.fire(conn, None):

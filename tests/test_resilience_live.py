@@ -6,11 +6,15 @@ issue asks for them; time is looked at with medians and one-sided bounds.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import socket
 import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from thrift.Thrift import TApplicationException
 
 from harness import Proxy, ThriftServer, client, wait_for
@@ -222,3 +226,122 @@ def test_health_check_takes_endpoint_out_and_back():
     finally:
         sick.stop()
         well.stop()
+
+
+# -- an endpoint whose connects hang (SYNs dropped), and connect failures in general ------------
+
+class Blackhole:
+    """A listening socket whose accept queue is full and never drained: the kernel drops further
+    SYNs, so a connect to it hangs until the connector gives up (as to a blackholed address)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(0)
+        self.port = self.sock.getsockname()[1]
+        self.address = f"127.0.0.1:{self.port}"
+        self.fill = []
+        for _ in range(8):
+            c = socket.socket()
+            c.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                c.connect(("127.0.0.1", self.port))
+            self.fill.append(c)
+        time.sleep(0.1)
+        probe = socket.socket()
+        probe.settimeout(0.5)
+        try:
+            probe.connect(("127.0.0.1", self.port))
+        except (socket.timeout, TimeoutError):
+            return
+        finally:
+            probe.close()
+        self.close()
+        pytest.skip("this kernel accepts connects past a full accept queue: no blackhole to be had")
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.fill:
+            c.close()
+
+
+@pytest.fixture
+def blackhole():
+    bh = Blackhole()
+    yield bh
+    bh.close()
+
+
+def test_blackholed_endpoint_is_ejected_when_per_try_timeout_is_shorter_than_connect_timeout(blackhole, caplog):
+    """Each attempt to the blackholed endpoint stops waiting at its per-try timeout (blaming
+    nobody: the connect is still under way) and the call is retried on the live endpoint; the
+    connects then time out with no attempt waiting for them. Those failures still reach the
+    endpoint's breaker (3 in a row open it) and the log."""
+    up = ThriftServer(name="live")
+    text = cfg([blackhole.address, up],
+               route_extra="\n        retry: {attempts: 2, idempotent: false, per_try_timeout: 300ms}",
+               cluster_extra="\n    connect_timeout: 1s"
+                             "\n    circuit_breaker: {consecutive_failures: 3, open_for: 30s}")
+    try:
+        with caplog.at_level(logging.WARNING, logger="proxy.pool"):
+            with Proxy(text) as p, client(p.port()) as c:
+                ep = next(e for e in p.server.clusters["up"].endpoints if e.port == blackhole.port)
+                assert [c.lookup(f"k{i}") for i in range(6)] == [f"live:k{i}" for i in range(6)]
+                wait_for(lambda: ep.breaker.state_name == "open", 10, "the blackholed endpoint's breaker to open")
+                assert [c.lookup(f"after{i}") for i in range(20)] == [f"live:after{i}" for i in range(20)]
+        lines = [r.getMessage() for r in caplog.records if r.name == "proxy.pool"]
+        assert f"connect to {blackhole.address} timed out after 1000ms" in lines, lines
+    finally:
+        up.stop()
+
+
+def test_blackholed_endpoint_is_ejected_when_the_route_timeout_is_shorter_than_connect_timeout(blackhole):
+    text = cfg([blackhole.address], route_extra="\n        timeout: 100ms",
+               cluster_extra="\n    connect_timeout: 500ms"
+                             "\n    circuit_breaker: {consecutive_failures: 3, open_for: 30s}")
+    with Proxy(text) as p, client(p.port()) as c:
+        ep = p.server.clusters["up"].endpoints[0]
+        for i in range(3):
+            with pytest.raises(TApplicationException) as e:
+                c.lookup("k")
+            assert e.value.message == (f"thrift-sidecar: not sent: route timeout 100ms while waiting for "
+                                       f"a connection to {blackhole.address}")
+        wait_for(lambda: ep.breaker.state_name == "open", 10, "the blackholed endpoint's breaker to open")
+        assert ep.breaker.snapshot()["window_failures"] == 3
+
+
+def test_least_request_sees_a_hanging_connect_as_load(blackhole):
+    """Breakers off: while its connect hangs the blackholed endpoint is busy, not idle, so
+    least_request sends the following calls to the other one (one connect to it, not one per
+    call that drew it)."""
+    up = ThriftServer(name="live")
+    text = cfg([blackhole.address, up], lb="least_request",
+               route_extra="\n        retry: {attempts: 2, idempotent: false, per_try_timeout: 1s}",
+               cluster_extra="\n    connect_timeout: 10s"
+                             "\n    circuit_breaker: {consecutive_failures: 0, failure_rate: 0.0}")
+    try:
+        with Proxy(text) as p, client(p.port()) as c:
+            ep = next(e for e in p.server.clusters["up"].endpoints if e.port == blackhole.port)
+            assert [c.lookup(f"k{i}") for i in range(30)] == [f"live:k{i}" for i in range(30)]
+            connects = sum(pool.connecting + pool.stats["connect_failures"] for pool in ep.pools.values())
+            assert connects <= 1, connects
+            assert ep.outstanding == connects
+    finally:
+        up.stop()
+
+
+def test_a_failed_connect_counts_once_against_the_breaker():
+    """The pool reports a failed connect to the breaker and the attempt does not again: one
+    refused call is one failure (consecutive_failures: 2 stays closed after one call)."""
+    dead = ThriftServer()
+    dead.stop()
+    text = cfg([dead], cluster_extra="\n    circuit_breaker: {consecutive_failures: 2, open_for: 30s}")
+    with Proxy(text) as p, client(p.port()) as c:
+        ep = p.server.clusters["up"].endpoints[0]
+        with pytest.raises(TApplicationException) as e:
+            c.lookup("k")
+        assert e.value.message.startswith(f"thrift-sidecar: not sent: connect to {dead.address} failed: ")
+        assert ep.breaker.snapshot()["consecutive_failures"] == 1 and ep.breaker.state_name == "closed"
+        with pytest.raises(TApplicationException):
+            c.lookup("k")
+        assert ep.breaker.state_name == "open"
