@@ -5,7 +5,9 @@ outcomes speak about the endpoint (`classify_for_breaker`); the panic rule
 (`panicking`). Pure: no asyncio, no sockets, no sleeping; time comes from an
 injected clock (seconds). Leaves to others: picking (balancer, cluster),
 logging and counting transitions (the `on_transition` callback's owner),
-active health checks (they feed `record` like any attempt).
+active health checks (`proxy.health`: a separate filter, `Endpoint.healthy`,
+that never calls `record`; a failing check takes the endpoint out at once
+and a passing one brings it back, without touching this state machine).
 
                 consecutive_failures in a row, or failure rate
                 ≥ failure_rate over window (once min_calls were seen)

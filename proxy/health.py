@@ -8,7 +8,9 @@ brings it back. Needs the cluster's framing and protocol (the config enforces
 it). Lifecycle work: one task per cluster, its own connections (never the
 pool's), so checks never queue behind calls. Whatever a check raises counts
 as that check's failure, and the task logs and survives anything else: it
-never stops while its cluster lives.
+never stops while its cluster lives. Checks never touch the endpoint's
+breaker: `healthy` and the breaker are two separate filters
+(`proxy.cluster.Cluster.pick`).
 """
 
 from __future__ import annotations

@@ -114,6 +114,9 @@ def test_a_garbage_reply_takes_only_its_endpoint_out_and_checking_goes_on(caplog
                 wait_for(lambda: ep_toggled.healthy, 5, "the endpoint passing again to be brought back")
                 assert not checker.task.done()
                 assert not ep_odd.healthy
+                # checks are their own filter: they never feed the breaker (proxy.breaker)
+                assert ep_odd.breaker.snapshot()["window_calls"] == 0
+                assert ep_odd.breaker.state_name == "closed"
         lines = [r.getMessage() for r in caplog.records if r.name == "proxy.health"]
         assert any(f"{odd.address} in cluster up failed: bad reply: truncated result field header" in m
                    for m in lines), lines
