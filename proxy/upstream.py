@@ -96,8 +96,9 @@ class UpstreamError(Exception):
         self.message = message
         self.written = written
         self.timeout = timeout
-        # False when the proxy itself refused (pool full, limits, shutting down): says nothing
-        # about the endpoint's health, so breakers ignore it.
+        # False when the proxy itself refused (pool full, limits, shutting down), or when the
+        # failure was already counted against the endpoint's breaker (a failed connect: the pool
+        # reports it itself, proxy.cluster): breakers ignore it here.
         self.endpoint_fault = endpoint_fault
 
 
