@@ -38,7 +38,7 @@ static Py_ssize_t HOP[N_HOPS];       /* each hop's index into hops and sums */
 static PyObject *PURE;               /* proxy.metrics.pure_record_hops */
 
 static PyObject *S_t_start, *S_t_framed, *S_attempts, *S_t_acquire, *S_t_acquired, *S_t_written,
-    *S_t_first_reply, *S_t_reply, *S_backoffs, *S_t_done, *S_t_write, *S_t_acked, *S_t_handed;
+    *S_t_first_reply, *S_t_reply, *S_backoffs, *S_t_done, *S_t_write, *S_t_acked, *S_t_handed, *S_waited;
 
 enum { OK = 0, ERROR = -1, PURE_PATH = 1 };
 
@@ -92,6 +92,24 @@ add(Samples *out, int h, long long t0, long long t1)
     return OK;
 }
 
+/* A plain bool (True or False); PURE_PATH for anything else (its truth may run Python code). */
+static inline int
+get_bool(PyObject *obj, PyObject *name, int *out)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
+        return ERROR;
+    int r = OK;
+    if (v == Py_True)
+        *out = 1;
+    else if (v == Py_False)
+        *out = 0;
+    else
+        r = PURE_PATH;
+    Py_DECREF(v);
+    return r;
+}
+
 #define TRY(expr) do { int r_ = (expr); if (r_ != OK) { rc = r_; goto done; } } while (0)
 
 /* Phase 1: the call's samples, as the pure function would take them. */
@@ -101,6 +119,7 @@ read_samples(PyObject *call, Samples *out)
     int rc = OK;
     PyObject *attempts = NULL, *backoffs = NULL, *item = NULL;
     long long t0, t1, t2, first;
+    int waited;
 
     TRY(get_ns(call, S_t_start, &t0));
     if (t0) {
@@ -167,14 +186,15 @@ read_samples(PyObject *call, Samples *out)
 
     TRY(get_ns(call, S_t_done, &t0));
     TRY(get_ns(call, S_t_write, &t1));
-    if (t0 && t1 >= t0) {
+    TRY(get_bool(call, S_waited, &waited));
+    if (waited && t0 && t1 > t0)  /* as the span: only a reply that waited behind an earlier one */
         TRY(add(out, H_QUEUED, t0, t1));
+    if (t1)  /* from t_write (a streamed reply's is before t_done), else t_done */
         t0 = t1;
-    }
     TRY(get_ns(call, S_t_acked, &t1));
     if (!t1)
         TRY(get_ns(call, S_t_handed, &t1));
-    if (t0 && t1 >= t0)  /* from t_write (else t_done, if the listener does not stamp t_write) */
+    if (t0 && t1 >= t0)
         TRY(add(out, H_WRITE_RESPONSE, t0, t1));
 
 done:
@@ -370,5 +390,6 @@ PyInit__hops(void)
     INTERN(t_write);
     INTERN(t_acked);
     INTERN(t_handed);
+    INTERN(waited);
     return PyModule_Create(&hops_module);
 }

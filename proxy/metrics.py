@@ -19,7 +19,10 @@ Metrics (all durations in seconds; buckets `BUCKETS`, 25 µs ... 30 s):
 
     thrift_sidecar_hop_duration_seconds{service,method,hop}   histogram: one sample per hop per
         call (attempt hops `acquire`, `write_upstream`, `service_time`, `read_response` and
-        `backoff` once per attempt/retry); a hop whose timestamps are missing is not sampled
+        `backoff` once per attempt/retry); a hop whose timestamps are missing is not sampled.
+        The same hops, from the same timestamps, as the call's spans (`proxy.telemetry`): `queued`
+        only for a reply that waited behind an earlier pipelined one; `write_response` from the
+        first reply byte written (a streamed reply's overlaps `read_response`)
     thrift_sidecar_call_duration_seconds{service,method}      histogram: the SERVER span, first
         request byte → the client acknowledged the reply (oneway: → request written upstream)
     thrift_sidecar_calls_total{service,method,outcome}        counter: outcome as in `proxy.calls`
@@ -157,11 +160,11 @@ def pure_record_hops(hops: list[list[int]], sums: list[int], call) -> None:
         if t0 and t1 >= t0:
             sample(_BACKOFF, t1 - t0)
     t0, t1 = call.t_done, call.t_write
-    if t0 and t1 >= t0:
+    if call.waited and t0 and t1 > t0:  # as the span: only a reply that waited behind an earlier one
         sample(_QUEUED, t1 - t0)
-        t0 = t1
+    t0 = t1 or t0  # from t_write (a streamed reply's is before t_done), else t_done
     t1 = call.t_acked or call.t_handed
-    if t0 and t1 >= t0:  # from t_write (else t_done, if the listener does not stamp t_write)
+    if t0 and t1 >= t0:
         sample(_WRITE_RESPONSE, t1 - t0)
 
 

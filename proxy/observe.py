@@ -61,8 +61,8 @@ class CallRecorder:
             "write_upstream_ms": _ms(a.t_acquired, a.t_written) if a else None,
             "service_time_ms": _ms(a.t_written, a.t_first_reply) if a else None,
             "read_response_ms": _ms(a.t_first_reply, a.t_reply) if a else None,
-            "queued_ms": _ms(call.t_done, call.t_write),
-            "write_response_ms": _ms(call.t_write, call.t_acked or call.t_handed),
+            "queued_ms": _ms(call.t_done, call.t_write) if call.waited else None,  # as the span
+            "write_response_ms": _ms(call.t_write or call.t_done, call.t_acked or call.t_handed),
             "loop_lag_ms": round(call.loop_lag_ns / 1e6, 3),
             "error": call.error,
         }

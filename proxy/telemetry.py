@@ -334,7 +334,7 @@ class Telemetry:
             out.append((spans.QUEUED, (rand(64) or 1), server_id, False, INTERNAL, t_done + off, t_write + off,
                         None, None))
         t_acked, t_handed = call.t_acked, call.t_handed
-        w0 = t_write or (t_done if t_handed else 0)
+        w0 = t_write or t_done  # (as the histogram: proxy.metrics.pure_record_hops)
         w1 = t_acked or t_handed
         if w0 and w1 >= w0:
             wa = {}

@@ -13,15 +13,19 @@ import random
 import string
 import time
 import timeit
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings, strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy import metrics as metrics_mod
+from proxy import otlp, spans
 from proxy.calls import NOT_SENT, SUCCESS, TIMEOUT, Attempt, Call
 from proxy.metrics import (BUCKETS, INVALID, OTHER, CompiledRecordHops, Metrics, MethodStats, call_outcome,
                            pure_record_hops)
+
+from proxy.telemetry import Telemetry
 
 import test_telemetry_fixtures as fx
 
@@ -191,8 +195,9 @@ _odd = st.sampled_from([-5, -2**63, 2**63 - 1, 2**64, 2**70, 1.5, True])
 _ns = _pool | _pool | _pool | _odd
 _attempt = st.fixed_dictionaries({k: _ns for k in ("t_acquire", "t_acquired", "t_written", "t_first_reply",
                                                    "t_reply")})
-_call = st.fixed_dictionaries({k: _ns for k in ("t_start", "t_framed", "t_done", "t_write", "t_handed",
-                                                "t_acked")}).flatmap(
+_waited = st.sampled_from([False, True, True, 0, 1, None])  # a plain bool, else the pure path
+_call = st.fixed_dictionaries({**{k: _ns for k in ("t_start", "t_framed", "t_done", "t_write", "t_handed",
+                                                   "t_acked")}, "waited": _waited}).flatmap(
     lambda times: st.tuples(st.just(times), st.lists(_attempt, max_size=3), st.lists(st.tuples(_ns, _ns), max_size=2)))
 
 
@@ -240,12 +245,22 @@ def test_compiled_hop_update_agrees_at_each_edge():
     one = {"t_acquire": b, "t_acquired": b, "t_written": b, "t_first_reply": b, "t_reply": b}
     times = {"t_start": b, "t_framed": b, "t_done": b, "t_write": b, "t_handed": b, "t_acked": 0}
     st_ = _record_both((times, [one, dict(one)], [(b, b)]))
-    assert sum(map(sum, st_.hops)) == 2 + 2 * 4 + 1 + 1  # every hop at 0 ns counts, retries twice
+    # every hop at 0 ns counts, retries twice; not queued: the reply did not wait (as its span)
+    assert sum(map(sum, st_.hops)) == 2 + 2 * 4 + 1
     late = dict(one, t_first_reply=b - 1)  # the reply's first byte before the write: no service_time
     _record_both((times, [late], []))
     _record_both((dict(times, t_start=0, t_framed=None), [one], []))  # `t_start and ...`: t_framed unread
     _record_both((times, [dict(one, t_first_reply=0, t_reply=b + 5)], []))  # or t_reply
     _record_both((times, [one], [(2**63 - 1, 2**64)]), start_sum=2**63 - 1)  # sums past 64 bits
+    # a streamed reply (first byte written before it was all read) and a reply that waited in line
+    st_ = _record_both((dict(times, t_done=b + 10, t_write=b + 4, t_acked=b + 30), [one], []))
+    assert st_.hop_sums[metrics_mod._WRITE_RESPONSE] == 26 and not any(st_.hops[metrics_mod._QUEUED])
+    st_ = _record_both((dict(times, t_done=b + 10, t_write=b + 14, t_acked=b + 30, waited=True), [one], []))
+    assert st_.hop_sums[metrics_mod._QUEUED] == 4 and st_.hop_sums[metrics_mod._WRITE_RESPONSE] == 16
+    st_ = _record_both((dict(times, t_done=b + 10, t_write=b + 14, t_acked=b + 30), [one], []))
+    assert not any(st_.hops[metrics_mod._QUEUED])  # written at once (not waited): no queued sample
+    _record_both((dict(times, t_done=b + 10, t_write=b + 14, waited=1), [one], []))  # not a bool: pure
+    _record_both((dict(times, t_done=b + 10, t_write=0, t_handed=b + 30), [one], []))  # from t_done
 
 
 @pytest.mark.skipif(CompiledRecordHops is None, reason="proxy._hops not built")
@@ -297,3 +312,66 @@ def _same(call):
     pure_record_hops(pure.hops, pure.hop_sums, call)
     CompiledRecordHops(compiled.hops, compiled.hop_sums, call)
     assert compiled.hops == pure.hops and compiled.hop_sums == pure.hop_sums
+
+
+# -- the histograms and the spans tell the same story --------------------------------------------
+
+
+def _metric_hops(record, call) -> dict[str, tuple[int, int]]:
+    """{hop: (samples, sum ns)} that one call adds to the histograms."""
+    st_ = MethodStats("S", "m")
+    record(st_.hops, st_.hop_sums, call)
+    return {name: (sum(st_.hops[i]), st_.hop_sums[i]) for i, name in enumerate(spans.HOPS) if any(st_.hops[i])}
+
+
+def _span_hops(call) -> dict[str, tuple[int, int]]:
+    """{hop: (spans, summed duration ns)} of the same call's span plan (proxy.telemetry)."""
+    t = Telemetry(SimpleNamespace(service_name="s", exporter="none", sample_ratio=1.0), exporter=None)
+    out: dict[str, tuple[int, int]] = {}
+    for name, _sid, _pid, _remote, kind, t0, t1, *_ in t.plan(call, "S")[3]:
+        if name in spans.HOPS and kind == otlp.KIND_INTERNAL:
+            n, total = out.get(name, (0, 0))
+            out[name] = (n + 1, total + t1 - t0)
+    return out
+
+
+def _streamed_slow_reader():
+    """s5b: a 13.8 MB reply streamed to a client reading for 8.6 s; the upstream sent it in 6.7 s."""
+    c = fx.call_streamed()
+    a = c.attempts[0]
+    a.t_reply = a.t_first_reply + fx.ms(6655)
+    c.t_done = a.t_reply
+    c.t_acked = c.t_write + fx.ms(8595)
+    c.t_handed = c.t_acked - fx.ms(1)
+    return c
+
+
+AGREE = {
+    "success": fx.call_success, "declared": fx.call_declared, "retry": fx.call_retry,
+    "timeout": fx.call_timeout, "queued": fx.call_queued, "oneway": fx.call_oneway,
+    "streamed": fx.call_streamed, "streamed_slow_reader": _streamed_slow_reader,
+}
+IMPLS = [pytest.param(pure_record_hops, id="pure"),
+         pytest.param(CompiledRecordHops, id="compiled",
+                      marks=pytest.mark.skipif(CompiledRecordHops is None, reason="proxy._hops not built"))]
+
+
+@pytest.mark.parametrize("record", IMPLS)
+@pytest.mark.parametrize("shape", sorted(AGREE))
+def test_metrics_and_spans_agree_on_every_hop(shape, record):
+    """Every hop a call's spans show, its histogram samples show, with the same durations (and no
+    other hop). Before: a streamed reply's write_response sample started at t_done (its last byte
+    read from the upstream), not at its first byte written, so a slow reader's time went missing
+    from the metric (1.9 s vs the span's 8.6 s in a review); and every call had a `queued`
+    sample, its span only when the reply waited behind an earlier one."""
+    call = AGREE[shape]()
+    assert _metric_hops(record, call) == _span_hops(call)
+
+
+@pytest.mark.parametrize("record", IMPLS)
+def test_streamed_reply_write_response_starts_at_its_first_byte_written(record):
+    call = _streamed_slow_reader()
+    hops = _metric_hops(record, call)
+    assert hops["write_response"] == (1, fx.ms(8595))
+    assert hops["read_response"] == (1, fx.ms(6655))  # overlaps write_response, as the spans say
+    assert "queued" not in hops

@@ -163,8 +163,8 @@ def call_streamed() -> Call:
     c.client_paused_ns = ms(250)
     c.upstream_wait_ns = ms(12)
     c.reply_size = 15_000_000
-    c.t_done = a.t_first_reply + ms(0.05)
-    c.t_write = a.t_first_reply + ms(0.06)
+    c.t_write = a.t_first_reply + ms(0.06)  # the head went out as it came (listener.stream_begin)
+    c.t_done = a.t_reply                    # the reply is "ready" once its last byte came (stream_end)
     c.t_handed = a.t_reply + ms(0.5)
     c.t_acked = a.t_reply + ms(40)
     return c
