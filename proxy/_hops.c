@@ -144,7 +144,13 @@ read_samples(PyObject *call, Samples *out)
         TRY(get_ns(item, S_t_acquire, &t0));
         if (t0) {
             TRY(get_ns(item, S_t_acquired, &t1));
-            if (t1 >= t0) {
+            if (!t1) {  /* never got a connection: it waited until the attempt ended */
+                TRY(get_ns(item, S_t_reply, &t1));
+                if (!t1)
+                    TRY(get_ns(call, S_t_done, &t1));  /* t_reply or call.t_done */
+                if (t1 >= t0)
+                    TRY(add(out, H_ACQUIRE, t0, t1));
+            } else if (t1 >= t0) {
                 TRY(add(out, H_ACQUIRE, t0, t1));
                 TRY(get_ns(item, S_t_written, &t0));
                 if (t0 >= t1) {

@@ -142,7 +142,14 @@ def pure_record_hops(hops: list[list[int]], sums: list[int], call) -> None:
         sample(_READ_REQUEST, t1 - t0)
     for a in call.attempts:
         t0, t1 = a.t_acquire, a.t_acquired
-        if not (t0 and t1 >= t0):
+        if not t0:
+            continue
+        if not t1:  # never got a connection (pool wait or connect failed, timed out, given up):
+            t1 = a.t_reply or call.t_done  # it waited until the attempt ended
+            if t1 >= t0:
+                sample(_ACQUIRE, t1 - t0)
+            continue
+        if not t1 >= t0:
             continue
         sample(_ACQUIRE, t1 - t0)
         t0 = a.t_written

@@ -57,7 +57,7 @@ class CallRecorder:
             "request_bytes": call.request_size, "reply_bytes": call.reply_size,
             "total_ms": _ms(call.t_start, end),
             "read_request_ms": _ms(call.t_start, call.t_framed),
-            "acquire_ms": _ms(a.t_acquire, a.t_acquired) if a else None,
+            "acquire_ms": _ms(a.t_acquire, a.t_acquired or a.t_reply or call.t_done) if a else None,
             "write_upstream_ms": _ms(a.t_acquired, a.t_written) if a else None,
             "service_time_ms": _ms(a.t_written, a.t_first_reply) if a else None,
             "read_response_ms": _ms(a.t_first_reply, a.t_reply) if a else None,

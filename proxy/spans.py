@@ -5,7 +5,7 @@ Span tree of one call (DESIGN.md):
     SERVER "{service}/{method}"      first request byte read → client acknowledged the last reply byte
      ├─ read_request                 first byte → whole request framed
      ├─ CLIENT "{service}/{method}"  one per upstream attempt
-     │   ├─ acquire                  pool lease, including connect
+     │   ├─ acquire                  pool lease, including connect (one never got: until the attempt ended)
      │   ├─ write_upstream           request bytes written to the upstream socket
      │   ├─ service_time             last request byte written → first reply byte
      │   └─ read_response            first reply byte → whole reply framed

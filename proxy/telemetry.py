@@ -25,7 +25,7 @@ Span tree (DESIGN.md "Spans"; a hop whose timestamps are 0 has no span):
     SERVER "{service}/{method}"  t_start → t_acked (else t_handed; oneway: t_done)
      ├─ read_request             t_start → t_framed
      ├─ CLIENT "{service}/{method}"   per attempt: t_acquire → t_reply
-     │   ├─ acquire              t_acquire → t_acquired
+     │   ├─ acquire              t_acquire → t_acquired (no connection: → t_reply, else t_done)
      │   ├─ write_upstream       t_acquired → t_written
      │   ├─ service_time         t_written → t_first_reply (a failed attempt: → t_reply)
      │   └─ read_response        t_first_reply → t_reply
@@ -386,7 +386,12 @@ class Telemetry:
             error = att.error or outcome
         client_id = att.span_id or (rand(64) or 1)
         out.append((name, client_id, server_id, False, CLIENT, t0 + off, t1 + off, a, error))
-        if t_acquired >= t0 and t_acquired:
+        if not t_acquired:  # never got a connection: it waited (or connected) until the attempt ended
+            a1 = t_reply or call.t_done
+            if a1 >= t0:
+                out.append((spans.ACQUIRE, (rand(64) or 1), client_id, False, INTERNAL, t0 + off, a1 + off,
+                            None, None))
+        elif t_acquired >= t0:
             out.append((spans.ACQUIRE, (rand(64) or 1), client_id, False, INTERNAL, t0 + off, t_acquired + off,
                         None, None))
             if t_written >= t_acquired:

@@ -197,6 +197,30 @@ def retries(n=20, seed=9):
             for i in range(n)]
 
 
+def acquire_timeout(n=20, seed=11):
+    """A saturated pool: every call waits acquire_timeout (~300 ms) for a connection it never
+    gets, and is answered not_sent. The attempt has no t_acquired, only its end (t_reply)."""
+    rng = random.Random(seed)
+    calls = []
+    for i in range(n):
+        c = build(i, attempts=[{"acquire": None, "service": None, "fail_after": _jitter(rng, 300.0),
+                                "outcome": NOT_SENT}])
+        c.written = False
+        c.outcome = c.error_type = NOT_SENT
+        c.error = "not sent: no connection to 127.0.0.1:9191 within acquire_timeout 300ms (1 busy)"
+        calls.append(c)
+    return calls
+
+
+def connect_hang(n=20, seed=12):
+    """The first endpoint's connects hang until connect_timeout (~300 ms); 50 ms backoff; the
+    retry on another endpoint answers in 5 ms."""
+    rng = random.Random(seed)
+    hang = {"ep": EP2, "acquire": None, "service": None, "outcome": NOT_SENT}
+    return [build(i, attempts=[dict(hang, fail_after=_jitter(rng, 300.0)), {"ep": EP1, "service": 5.0}],
+                  backoff=50.0) for i in range(n)]
+
+
 def one_slow_endpoint(n=30, seed=10):
     """Round robin over three endpoints; 127.0.0.2:9192 takes 150 ms, the others 5 ms."""
     rng = random.Random(seed)
@@ -220,6 +244,9 @@ SCENARIOS = {
     "loop_stall": (loop_stall, "loop lag", "the proxy's own event loop is stalled"),
     "pipelined": (pipelined, spans.QUEUED, "pipelined calls wait behind a slow earlier call"),
     "retries": (retries, spans.BACKOFF, "retries are adding delay"),
+    # before: no acquire span for a lease never got, so these read "(between hops) ... the proxy's own work"
+    "acquire_timeout": (acquire_timeout, spans.ACQUIRE, "the pool is exhausted or connects are slow"),
+    "connect_hang": (connect_hang, spans.ACQUIRE, "the pool is exhausted or connects are slow"),
 }
 
 

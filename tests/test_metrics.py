@@ -350,6 +350,8 @@ AGREE = {
     "success": fx.call_success, "declared": fx.call_declared, "retry": fx.call_retry,
     "timeout": fx.call_timeout, "queued": fx.call_queued, "oneway": fx.call_oneway,
     "streamed": fx.call_streamed, "streamed_slow_reader": _streamed_slow_reader,
+    "acquire_timeout": fx.call_acquire_timeout, "connect_timeout_retry": fx.call_connect_timeout_retry,
+    "gone_while_waiting": fx.call_gone_while_waiting,
 }
 IMPLS = [pytest.param(pure_record_hops, id="pure"),
          pytest.param(CompiledRecordHops, id="compiled",
@@ -375,3 +377,16 @@ def test_streamed_reply_write_response_starts_at_its_first_byte_written(record):
     assert hops["write_response"] == (1, fx.ms(8595))
     assert hops["read_response"] == (1, fx.ms(6655))  # overlaps write_response, as the spans say
     assert "queued" not in hops
+
+
+@pytest.mark.parametrize("record", IMPLS)
+def test_an_attempt_that_never_got_a_connection_has_its_acquire_sample(record):
+    """Its wait for the pool (or the connect) lasted until the attempt ended: t_reply, which the
+    pipeline stamps when it fails; else the call's t_done (the client left while it waited).
+    Before: no sample at all, for the calls whose time went there."""
+    assert _metric_hops(record, fx.call_acquire_timeout())["acquire"] == (1, fx.ms(300))
+    retried = _metric_hops(record, fx.call_connect_timeout_retry())
+    assert retried["acquire"] == (2, fx.ms(300) + fx.ms(0.3))
+    assert retried["service_time"][0] == 1 and retried["backoff"] == (1, fx.ms(50))
+    assert _metric_hops(record, fx.call_gone_while_waiting()) == {"read_request": (1, fx.ms(0.1)),
+                                                                  "acquire": (1, fx.ms(200))}

@@ -204,6 +204,31 @@ def test_pipelined_call_that_queued(telemetry, memory):
     assert q.start_time == call.t_done + OFFSET
 
 
+@pytest.mark.parametrize("make, waited", [(fx.call_acquire_timeout, 300), (fx.call_gone_while_waiting, 200)])
+def test_attempt_that_never_got_a_connection_shows_acquire(telemetry, memory, make, waited):
+    """A pool wait or connect that failed (or that the client left) is the attempt's `acquire`,
+    until the attempt ended (t_reply, else the call's t_done). Before: a bare CLIENT span, and
+    `hops` blamed the gap on the proxy's own work."""
+    call = make()
+    _, out = export(telemetry, memory, call)
+    server, children = check_common(out)
+    (client,) = [s for s in out if s.kind is SpanKind.CLIENT]
+    (acquire,) = children[client.context.span_id]
+    assert acquire.name == "acquire" and acquire.end_time - acquire.start_time == fx.ms(waited)
+    assert acquire.start_time == client.start_time and acquire.end_time == client.end_time
+    assert client.attributes[spans.OUTCOME] == "not_sent"
+
+
+def test_connect_timeout_then_retry_shows_both_acquires(telemetry, memory):
+    _, out = export(telemetry, memory, fx.call_connect_timeout_retry())
+    server, children = check_common(out)
+    c1, c2 = sorted((s for s in out if s.kind is SpanKind.CLIENT), key=lambda s: s.start_time)
+    assert names(children[c1.context.span_id]) == ["acquire"]
+    (a1,) = children[c1.context.span_id]
+    assert a1.end_time - a1.start_time == fx.ms(300)
+    assert names(children[c2.context.span_id]) == ["acquire", "write_upstream", "service_time", "read_response"]
+
+
 def test_oneway(telemetry, memory):
     call = fx.call_oneway()
     _, out = export(telemetry, memory, call)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from proxy.calls import DECLARED_EXCEPTION, SUCCESS, TIMEOUT, Attempt, Call
+from proxy.calls import CLIENT_GONE, DECLARED_EXCEPTION, NOT_SENT, SUCCESS, TIMEOUT, Attempt, Call
 from proxy.endpoint import Endpoint
 
 BASE = 5_000_000_000_000  # monotonic ns
@@ -170,9 +170,61 @@ def call_streamed() -> Call:
     return c
 
 
+def call_acquire_timeout() -> Call:
+    """The pool is saturated: no connection within acquire_timeout 300 ms (the attempt never got
+    one: t_acquired 0; the pipeline stamps t_reply when it fails), answered not_sent."""
+    c = Call(CONN, FakeMsg(), BASE, BASE + ms(0.1))
+    c.route = route()
+    a = attempt(c, EP1, 1, 0.101, acquire=None, outcome=NOT_SENT)
+    a.t_reply = a.t_acquire + ms(300)
+    a.error = "no connection to 127.0.0.1:9191 within acquire_timeout 300ms (1 busy)"
+    c.outcome = c.error_type = NOT_SENT
+    c.error = "not sent: " + a.error
+    c.reply = b"e" * 90
+    c.t_done = a.t_reply + ms(0.03)
+    c.t_write = c.t_done + ms(0.005)
+    c.t_handed = c.t_write + ms(0.01)
+    c.t_acked = c.t_write + ms(0.2)
+    return c
+
+
+def call_connect_timeout_retry() -> Call:
+    """Attempt 1's connect to EP1 hangs until connect_timeout 300 ms; 50 ms backoff; attempt 2 on EP2 works."""
+    c = Call(CONN, FakeMsg(), BASE, BASE + ms(0.1))
+    c.route = route()
+    a1 = attempt(c, EP1, 1, 0.101, acquire=None, outcome=NOT_SENT)
+    a1.t_reply = a1.t_acquire + ms(300)
+    a1.error = "connect to 127.0.0.1:9191 timed out after 300ms"
+    b0 = a1.t_reply + ms(0.01)
+    c.backoffs.append((b0, b0 + ms(50)))
+    a2 = attempt(c, EP2, 2, (b0 + ms(50) - BASE) / 1e6 + 0.01, acquire=0.3)
+    a2.retry_reason = NOT_SENT
+    c.written = True
+    c.outcome = SUCCESS
+    c.reply = b"r" * 300
+    c.t_done = a2.t_reply + ms(0.02)
+    c.t_write = c.t_done + ms(0.005)
+    c.t_handed = c.t_write + ms(0.01)
+    c.t_acked = c.t_write + ms(0.2)
+    return c
+
+
+def call_gone_while_waiting() -> Call:
+    """The client resets 200 ms into a wait for a connection: the pipeline ends the attempt without
+    a t_reply (cancel), the call at t_done; no reply is written."""
+    c = Call(CONN, FakeMsg(), BASE, BASE + ms(0.1))
+    c.route = route()
+    attempt(c, EP1, 1, 0.101, acquire=None, outcome=NOT_SENT)
+    c.cancelled = True
+    c.outcome = c.error_type = CLIENT_GONE
+    c.error = "the client closed its connection while it waited for a connection"
+    c.t_done = c.attempts[0].t_acquire + ms(200)
+    return c
+
+
 def test_fixtures_are_time_ordered():
     for make in (call_success, call_declared, call_retry, call_timeout, call_queued, call_oneway,
-                 call_streamed):
+                 call_streamed, call_acquire_timeout, call_connect_timeout_retry, call_gone_while_waiting):
         c = make()
         assert c.t_start < c.t_framed
         prev = c.t_framed

@@ -440,6 +440,48 @@ def test_pool_of_one_connection_shows_acquire_for_waiting_calls(upstream):
     assert acquires[-1] >= (n - 2) * service_ms
 
 
+@pytest.mark.parametrize("limit", [
+    pytest.param("pool: {max_connections: 1, acquire_timeout: 300ms}", id="acquire_timeout"),
+    pytest.param("route timeout: 300ms", id="route_timeout"),
+    pytest.param("retry: {per_try_timeout: 300ms}", id="per_try_timeout"),
+])
+def test_call_that_never_got_a_connection_shows_acquire(upstream, limit):
+    """The pool's one connection is busy (a 1 s call); a ping waits for it until a 300 ms limit
+    ends the attempt. Its CLIENT span is all `acquire` (t_acquire → the attempt's end), in the
+    spans and in /metrics alike. Before: no acquire span or sample, and `hops` blamed the gap on
+    the proxy's own work."""
+    pool = "pool: {max_connections: 1, acquire_timeout: 300ms}" if limit.startswith("pool") else \
+        "pool: {max_connections: 1, acquire_timeout: 5s}"
+    # the limit is the ping's route's only (the 1 s call holding the connection has none)
+    route = "" if limit.startswith("pool") else \
+        "\n        match: {method: ping}\n        " + limit.removeprefix("route ") + "\n      - cluster: up"
+    with Traced(cfg([upstream], route_extra=route, cluster_extra="\n    " + pool)) as t:
+        with client(t.port()) as c:
+            c.ping()  # the one connection is open
+        holder = threading.Thread(target=lambda: client(t.port()).sleep(1000))
+        holder.start()
+        time.sleep(0.2)
+        with client(t.port()) as c, pytest.raises(TApplicationException):
+            c.ping()
+        holder.join()
+        pings = t.wait_calls(2, method="ping")
+        page = t.proxy.server.metrics.exposition().decode()
+    (call,) = [c for c in pings if c.attrs[spans.OUTCOME] != "success"]
+    (attempt,) = call.clients
+    (acquire,) = call.children(attempt)
+    assert acquire.name == "acquire"
+    assert acquire.start_time == attempt.start_time and acquire.end_time == attempt.end_time
+    assert 250 <= ms(acquire) < 1000, ms(acquire)
+    assert call.hop_ms("acquire") >= 0.8 * call.total_ms, call
+    assert attempt.attributes[spans.OUTCOME] == "not_sent"
+    hop = {(s.labels["hop"], s.name.rsplit("_", 1)[1]): s.value for f in text_string_to_metric_families(page)
+           for s in f.samples if s.name.startswith("thrift_sidecar_hop_duration_seconds_")
+           and s.labels.get("method") == "ping" and "le" not in s.labels}
+    assert hop[("acquire", "count")] == 2  # the first ping's, and this one's
+    ok_acquire = sum(ms(s) for c in pings if c is not call for s in c.hops["acquire"])
+    assert hop[("acquire", "sum")] * 1000 == pytest.approx(ms(acquire) + ok_acquire, abs=0.01)
+
+
 def test_slow_request_shows_in_read_request(upstream):
     pieces, gap = 5, 0.02
     with Traced(cfg([upstream])) as t:
