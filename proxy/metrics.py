@@ -109,8 +109,9 @@ def call_outcome(call) -> str:
 
 
 def is_failure(call, outcome: str | None = None) -> bool:
-    """The proxy answered with its own error, or the call ended other than success/declared."""
-    if call.error is not None:
+    """The proxy answered with its own error, the call ended other than success/declared, or its
+    client never read the reply (`never_read`: the reply never reached it, whatever the outcome)."""
+    if call.error is not None or call.never_read:
         return True
     # call.outcome first: call_outcome's own first answer, without the call (a plain success)
     return (outcome or call.outcome or call_outcome(call)) not in _OK_OUTCOMES

@@ -1,9 +1,11 @@
 """What happens when a call is over: metrics, spans, access log — one place, called once per call.
 
-`CallRecorder` is the pipeline's `on_complete`: it looks up the loop lag
-seen during the call, feeds the per-(method, hop) histograms (every call),
-hands the call to telemetry (which keeps it only if head-sampled, slow or
-failed), and writes the optional access-log line. Also the pipeline's
+`CallRecorder` is the pipeline's `on_complete`: it ends a never-read reply's
+wait (`t_acked`, if the listener did not), looks up the loop lag seen during
+the call, feeds the per-(method, hop) histograms (every call), hands the call
+to telemetry (which keeps it only if head-sampled, slow or failed; a client
+that never read its reply counts as failed), and writes the optional
+access-log line. Also the pipeline's
 `on_begin`/`on_send` hooks for trace context on THeader traffic.
 """
 
@@ -33,6 +35,11 @@ class CallRecorder:
         self.access = access
 
     def __call__(self, call) -> None:
+        if call.never_read and call.t_write and not call.t_acked:
+            # The listener gave up waiting for a client that never read its written reply (the
+            # ack cap): the reply sat unsent until now, which is when write_response and the call
+            # end (else they would end when the kernel took the bytes, and the call look fast).
+            call.t_acked = monotonic_ns()
         ended = call_end(call)
         end = ended or monotonic_ns()
         call.loop_lag_ns = self.lag.lag_for(call.t_start, end)

@@ -77,6 +77,10 @@ ONEWAY = "sidecar.oneway"
 SAMPLED_BY = "sidecar.sampled_by"             # head | slow | failed
 NEW_TRACE = "sidecar.new_trace"               # true when the client sent no trace context
 
+# The error.type of a call whose only failure is that its client never read its reply (its outcome,
+# the upstream's answer, may be a success); its write_response carries CLIENT_NEVER_READ.
+ERROR_CLIENT_NEVER_READ = "client_never_read"
+
 # Values of SAMPLED_BY: why a call's spans were exported (precedence: head, failed, slow).
 SAMPLED_HEAD = "head"      # the head decision (the client's flag, else the sample ratio)
 SAMPLED_FAILED = "failed"  # the proxy answered with its own error, or the outcome was not success/declared

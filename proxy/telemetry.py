@@ -32,10 +32,13 @@ Span tree (DESIGN.md "Spans"; a hop whose timestamps are 0 has no span):
      ├─ backoff                  call.backoffs
      ├─ queued                   t_done → t_write, when the reply waited behind an earlier one
      └─ write_response           t_write → t_acked (else t_handed); handed_ms, client_never_read
+                                 (never read: t_acked is when the proxy stopped waiting, the cap)
 
 Every exported span carries the sampled trace flag, also for slow/failed calls that were not
 head-sampled: the SDK's processors and most backends drop unsampled spans. `sampled_by` says
-why the call was kept: `head`, `failed` or `slow` (in that order of precedence).
+why the call was kept: `head`, `failed` or `slow` (in that order of precedence). A call whose
+client never read its reply (`never_read`) counts as failed: error.type `client_never_read`
+unless it failed otherwise too.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _UNSAMPLED = TraceFlags(TraceFlags.DEFAULT)
 _UNSET = Status(StatusCode.UNSET)
 _OK_ATTEMPT = frozenset((SUCCESS, DECLARED_EXCEPTION))
+_NEVER_READ_TEXT = "the client never read its reply"
 INTERNAL, SERVER, CLIENT = otlp.KIND_INTERNAL, otlp.KIND_SERVER, otlp.KIND_CLIENT
 _SPAN_KIND = {INTERNAL: SpanKind.INTERNAL, SERVER: SpanKind.SERVER, CLIENT: SpanKind.CLIENT}
 
@@ -159,7 +163,8 @@ class Telemetry:
 
     @staticmethod
     def _kept_unsampled(call, end: int = 0) -> str | None:
-        """Failed, or slower than its route's slow_call, for a call the head decision did not keep."""
+        """Failed (a client that never read its reply counts), or slower than its route's
+        slow_call, for a call the head decision did not keep."""
         if is_failure(call):
             return FAILED
         route = call.route
@@ -313,10 +318,13 @@ class Telemetry:
             a[spans.LOOP_LAG_MS] = _ms(call.loop_lag_ns)
         error = None
         if failed:
-            a[spans.ERROR_TYPE] = call.error_type or outcome
+            error_type = call.error_type or outcome
+            if call.never_read and error_type in _OK_ATTEMPT:  # its only failure: nobody read the reply
+                error_type = spans.ERROR_CLIENT_NEVER_READ
+            a[spans.ERROR_TYPE] = error_type
             if call.error is not None:
                 a[spans.ERROR_MESSAGE] = call.error
-            error = call.error or outcome
+            error = call.error or (_NEVER_READ_TEXT if error_type == spans.ERROR_CLIENT_NEVER_READ else outcome)
         out = [(name, server_id, parent_id, parent_id != 0, SERVER, t_start + off, t_end + off, a, error)]
 
         # children of SERVER

@@ -351,7 +351,7 @@ AGREE = {
     "timeout": fx.call_timeout, "queued": fx.call_queued, "oneway": fx.call_oneway,
     "streamed": fx.call_streamed, "streamed_slow_reader": _streamed_slow_reader,
     "acquire_timeout": fx.call_acquire_timeout, "connect_timeout_retry": fx.call_connect_timeout_retry,
-    "gone_while_waiting": fx.call_gone_while_waiting,
+    "gone_while_waiting": fx.call_gone_while_waiting, "never_read": fx.call_never_read,
 }
 IMPLS = [pytest.param(pure_record_hops, id="pure"),
          pytest.param(CompiledRecordHops, id="compiled",

@@ -256,16 +256,45 @@ def test_streamed_reply(telemetry, memory):
     assert write.end_time > read.end_time
 
 
-def test_client_never_read(telemetry, memory):
-    call = fx.call_success()
-    call.t_acked = 0
+def test_client_never_read(memory):
+    """The kernel took the reply at once (t_handed) but the client never read it: the listener
+    stops waiting at its cap and stamps t_acked then (never_read). The call is as long as that
+    wait, kept at ratio 0 as failed, error.type client_never_read. Before: SERVER and
+    write_response ended at t_handed (the call looked fast: 3 ms for a 60 s wait), and at
+    ratio 0 such a call was not exported at all."""
+    t = Telemetry(tracing(0.0), clock_offset_ns=OFFSET, rng=random.Random(6), exporter=memory, interval=0.01)
+    try:
+        call = fx.call_never_read()
+        assert t.should_export(call) == spans.SAMPLED_FAILED
+        reason, out = export(t, memory, call)
+        assert reason == spans.SAMPLED_FAILED
+        server, _ = check_common(out)
+        write = [s for s in out if s.name == "write_response"][0]
+        assert write.attributes[spans.CLIENT_NEVER_READ] is True
+        assert write.attributes[spans.HANDED_MS] == pytest.approx(0.02)
+        assert write.start_time == call.t_write + OFFSET
+        assert write.end_time == call.t_acked + OFFSET == server.end_time
+        assert write.end_time - write.start_time == fx.ms(60_000)
+        a = server.attributes
+        assert a[spans.ERROR_TYPE] == spans.ERROR_CLIENT_NEVER_READ and a[spans.SAMPLED_BY] == "failed"
+        assert a[spans.OUTCOME] == SUCCESS  # the upstream's answer was fine
+        assert server.status.status_code is StatusCode.ERROR
+        assert "never read" in server.status.description
+        assert spans.ERROR_MESSAGE not in a  # the proxy sent no error of its own
+        client = [s for s in out if s.kind is SpanKind.CLIENT][0]
+        assert client.status.status_code is StatusCode.UNSET  # the attempt itself was fine
+    finally:
+        t.shutdown(2.0)
+
+
+def test_client_never_read_an_error_reply_keeps_its_error_type(telemetry, memory):
+    call = fx.call_timeout()
     call.never_read = True
-    call.t_handed = call.t_write + fx.ms(0.02)
+    call.t_acked = call.t_write + fx.ms(60_000)
     _, out = export(telemetry, memory, call)
     server, _ = check_common(out)
-    write = [s for s in out if s.name == "write_response"][0]
-    assert write.attributes[spans.CLIENT_NEVER_READ] is True
-    assert write.end_time == call.t_handed + OFFSET == server.end_time
+    assert server.attributes[spans.ERROR_TYPE] == "timeout"
+    assert [s for s in out if s.name == "write_response"][0].attributes[spans.CLIENT_NEVER_READ] is True
 
 
 def test_traceparent_becomes_the_server_parent(telemetry, memory):

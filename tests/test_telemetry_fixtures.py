@@ -222,9 +222,20 @@ def call_gone_while_waiting() -> Call:
     return c
 
 
+def call_never_read() -> Call:
+    """The kernel took a 52 KB reply at once; the client never read it: the listener gave up at
+    its 60 s cap, stamped t_acked then and marked the call never_read."""
+    c = call_success()
+    c.t_handed = c.t_write + ms(0.02)
+    c.t_acked = c.t_write + ms(60_000)
+    c.never_read = True
+    return c
+
+
 def test_fixtures_are_time_ordered():
     for make in (call_success, call_declared, call_retry, call_timeout, call_queued, call_oneway,
-                 call_streamed, call_acquire_timeout, call_connect_timeout_retry, call_gone_while_waiting):
+                 call_streamed, call_acquire_timeout, call_connect_timeout_retry, call_gone_while_waiting,
+                 call_never_read):
         c = make()
         assert c.t_start < c.t_framed
         prev = c.t_framed

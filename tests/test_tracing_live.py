@@ -589,6 +589,37 @@ def test_call_whose_client_gave_up_is_traced_and_counted_as_client_gone(upstream
     assert t.proxy.server.listeners["test"].pipeline.stats["client_gone"] == 1
 
 
+def test_client_that_never_reads_its_reply_is_traced_with_the_wait(upstream, monkeypatch):
+    """A client with a 4 KB receive buffer asks for a ~55 KB reply and never reads it (s15 of a
+    review). The listener stops waiting at its cap (60 s; 1 s here, the same code path): the call
+    is recorded then, at ratio 0 kept as failed (client_never_read), its write_response and total
+    as long as the wait, in the spans and in /metrics. Before: both ended when the kernel took
+    the bytes (3 ms) and the call was not exported."""
+    from proxy import listener
+    monkeypatch.setattr(listener, "ACK_CAP_NS", 1_000_000_000)
+    with Traced(cfg([upstream]), ratio=0.0) as t:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", t.port()))
+            s.sendall(request_bytes("framed", "binary", "get_users", 400, 0, seqid=1))
+            calls = t.wait_calls(1, timeout=10)
+            page = t.proxy.server.metrics.exposition().decode()
+    (call,) = calls
+    assert call.attrs[spans.SAMPLED_BY] == "failed"
+    assert call.attrs[spans.ERROR_TYPE] == spans.ERROR_CLIENT_NEVER_READ
+    assert call.attrs[spans.OUTCOME] == "success"
+    write = call.hop("write_response")
+    assert write.attributes[spans.CLIENT_NEVER_READ] is True
+    assert ms(write) >= 900, call
+    assert call.dominant() == "write_response"
+    assert write.end_time == call.server.end_time
+    sums = {(s.name, s.labels.get("hop")): s.value for f in text_string_to_metric_families(page)
+            for s in f.samples if s.name.endswith("_sum") and s.labels.get("method") == "get_users"}
+    assert sums[("thrift_sidecar_hop_duration_seconds_sum", "write_response")] * 1000 == \
+        pytest.approx(ms(write), abs=0.01)
+    assert sums[("thrift_sidecar_call_duration_seconds_sum", None)] * 1000 == pytest.approx(call.total_ms, abs=0.01)
+
+
 # -- 3. trace context ------------------------------------------------------------------------
 
 
