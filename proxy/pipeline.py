@@ -762,6 +762,7 @@ class Pipeline:
         if a is not None and a.waiter is not None:
             a.waiter.cancel()
             a.waiter = None
+            a.t_reply = monotonic_ns()  # (its acquire hop ends here)
             self._leave_pending(a)
             self._end_attempt(a, calls.NOT_SENT, False)
         elif a is not None and a.upconn is not None and not a.ended and not call.streamed:
