@@ -53,7 +53,7 @@ from proxy.pipeline import Pipeline
 from proxy.pool import PoolSettings
 from proxy.router import HeaderMatch, Route, Router, method_matcher
 from proxy.sockets import raise_nofile_limit
-from proxy.tls import client_context
+from proxy.tls import TlsError, client_context
 
 log = logging.getLogger("proxy")
 
@@ -63,21 +63,30 @@ WATCH_INTERVAL = 1.0  # seconds between config file checks (reload: {watch: true
 RETIRE_POLL = 0.1  # seconds between checks whether retired clusters and listeners are still used
 
 
-class ListenError(Exception):
-    """A configured address cannot be listened on at startup; `line(path)` says it as config
-    errors are said: `FILE:LINE: listeners[N].listen: cannot listen on HOST:PORT: why`."""
+class StartError(Exception):
+    """The config is valid but cannot be started with (a file it names cannot be read, an
+    address cannot be listened on); `line(path)` says it as config errors are said:
+    `FILE:LINE: key.path: message` (the CLI exits 2, no traceback)."""
 
-    def __init__(self, loc: tuple, host: str, port: int, error: OSError) -> None:
-        why = os.strerror(error.errno) if error.errno else str(error)
+    def __init__(self, loc: tuple, message: str) -> None:
         self.loc = loc
-        self.message = f"cannot listen on {host}:{port}: {why[:1].lower()}{why[1:]}"
-        super().__init__(self.message)
+        self.message = message
+        super().__init__(message)
 
     def line(self, path: str | None) -> str:
         key = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in self.loc).lstrip(".")
         if path is None:
             return f"<config>:1: {key}: {self.message}"
         return f"{path}:{cfgmod.line_of_key(path, self.loc)}: {key}: {self.message}"
+
+
+class ListenError(StartError):
+    """A configured address cannot be listened on at startup."""
+
+    def __init__(self, loc: tuple, host: str, port: int, error: OSError) -> None:
+        # (a gaierror's errno is negative: its strerror says it, os.strerror does not)
+        why = os.strerror(error.errno) if error.errno and error.errno > 0 else (error.strerror or str(error))
+        super().__init__(loc, f"cannot listen on {host}:{port}: {why[:1].lower()}{why[1:]}")
 
 
 class _Slot:
@@ -161,7 +170,11 @@ class Server:
         self.metrics = metrics or Metrics()
         self._own_telemetry = telemetry is None
         if telemetry is None and config.tracing.exporter != "none":
-            telemetry = Telemetry(config.tracing)
+            try:
+                telemetry = Telemetry(config.tracing)
+            except OSError as e:  # e.g. the jsonl file's folder does not exist, or is read-only
+                raise StartError(("tracing", "path"), f"cannot open {e.filename or config.tracing.path}: "
+                                                      f"{e.strerror or e}") from None
         self.telemetry = telemetry
         if telemetry is not None and telemetry.queue is not None:
             self.metrics.watch_exporter(telemetry.queue)
@@ -186,7 +199,13 @@ class Server:
         self._retired_listeners: list[ListenerState] = []
         self._retiring: list[Cluster] = []
         self._retire_timer: asyncio.TimerHandle | None = None
-        self._build_clusters(config)
+        try:
+            self._build_clusters(config)
+        except TlsError as e:
+            if self.telemetry is not None and self._own_telemetry:
+                self.telemetry.shutdown(0.0)
+            i = next((i for i, c in enumerate(config.clusters) if c.name == e.cluster), 0)
+            raise StartError(("clusters", i, "tls", e.field), f"cannot use {e.detail}") from None
 
     # -- building ----------------------------------------------------------------------
 
@@ -671,7 +690,7 @@ async def serve(config: cfgmod.Config, path: str | None = None, owns_logging: bo
     server.owns_logging = owns_logging
     try:
         await server.start()
-    except ListenError:
+    except StartError:
         await server.close()
         raise
     gc.freeze()  # start-up objects out of the collector's way: no 20-40 ms full collections on the loop
@@ -700,7 +719,7 @@ def run_from_file(path: str, early_hups: list | None = None) -> int:
     raise_nofile_limit()
     try:
         return run(config, path, owns_logging=True, early_hups=early_hups)
-    except ListenError as e:  # said like a config error: FILE:LINE: key: message
+    except StartError as e:  # said like a config error: FILE:LINE: key: message
         print(e.line(path), file=sys.stderr)
         return 2
 

@@ -25,7 +25,14 @@ from proxy import config as cfgmod
 
 
 class TlsError(Exception):
-    """A TLS setting cannot be used (unreadable or mismatched files)."""
+    """A TLS setting cannot be used (unreadable or mismatched files); `field` is the key
+    (`ca`, or `cert` for the cert/key pair), `detail` what is wrong with it."""
+
+    def __init__(self, cluster: str, field: str, detail: str) -> None:
+        super().__init__(f"cluster {cluster}: tls.{field} {detail}")
+        self.cluster = cluster
+        self.field = field
+        self.detail = detail
 
 
 def client_context(tls: cfgmod.Tls, cluster: str = "?") -> ssl.SSLContext:
@@ -39,12 +46,12 @@ def client_context(tls: cfgmod.Tls, cluster: str = "?") -> ssl.SSLContext:
         else:
             ctx.load_default_certs(ssl.Purpose.SERVER_AUTH)
     except (OSError, ssl.SSLError) as e:
-        raise TlsError(f"cluster {cluster}: tls.ca {tls.ca}: {_reason(e)}") from None
+        raise TlsError(cluster, "ca", f"{tls.ca}: {_reason(e)}") from None
     if tls.cert is not None:
         try:
             ctx.load_cert_chain(str(tls.cert), str(tls.key))
         except (OSError, ssl.SSLError) as e:
-            raise TlsError(f"cluster {cluster}: tls.cert {tls.cert} / tls.key {tls.key}: {_reason(e)}") from None
+            raise TlsError(cluster, "cert", f"{tls.cert} / tls.key {tls.key}: {_reason(e)}") from None
     return ctx
 
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from harness import ROOT, ProxyProcess, ThriftServer, client, config_text, free_port, listening
 
 
@@ -60,6 +62,34 @@ def test_run_listen_port_in_use_exits_2_with_file_line_error(tmp_path):
     assert "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1] == (
         f"{cfg}:3: listeners[0].listen: cannot listen on 127.0.0.1:{port}: address already in use"), r.stderr
+
+
+@pytest.mark.parametrize("extra,line,expected", [
+    ("    tls: {ca: nope.pem}\n", 8, "clusters[0].tls.ca: cannot use {dir}/nope.pem: No such file or directory"),
+    ("tracing: {exporter: jsonl, path: /nonexistent/dir/s.jsonl}\n", 8,
+     "tracing.path: cannot open /nonexistent/dir/s.jsonl: No such file or directory"),
+], ids=["tls_ca_missing", "span_file_folder_missing"])
+def test_run_with_a_file_it_cannot_use_exits_2_with_file_line_error(tmp_path, extra, line, expected):
+    """check-config passes (the file is valid); `run` cannot start with it: one line said like a
+    config error, exit 2, no traceback (before: a traceback and exit 1)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("listeners:\n  - name: a\n    listen: 127.0.0.1:0\n    routes: [{cluster: c}]\n"
+                   "clusters:\n  - name: c\n    endpoints: [127.0.0.1:2]\n" + extra)
+    r = _cli("run", "-c", str(cfg))
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == f"{cfg}:{line}: " + expected.format(dir=tmp_path), r.stderr
+
+
+def test_run_with_an_unresolvable_listen_host_says_why(tmp_path):
+    cfg = tmp_path / "h.yaml"
+    cfg.write_text("listeners:\n  - name: a\n    listen: nosuchhost.invalid:9093\n    routes: [{cluster: c}]\n"
+                   "clusters:\n  - name: c\n    endpoints: [127.0.0.1:2]\n")
+    r = _cli("run", "-c", str(cfg))
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"{cfg}:3: listeners[0].listen: cannot listen on nosuchhost.invalid:9093: "), last
+    assert "unknown error" not in last, last
 
 
 def _sighup_caught(pid: int) -> bool:
