@@ -24,7 +24,7 @@ Metrics (all durations in seconds; buckets `BUCKETS`, 25 µs ... 30 s):
         only for a reply that waited behind an earlier pipelined one; `write_response` from the
         first reply byte written (a streamed reply's overlaps `read_response`)
     thrift_sidecar_call_duration_seconds{service,method}      histogram: the SERVER span, first
-        request byte → the client acknowledged the reply (oneway: → request written upstream)
+        request byte → the client has the reply, none of it left unsent (oneway: → request written upstream)
     thrift_sidecar_calls_total{service,method,outcome}        counter: outcome as in `proxy.calls`
         (success, declared_exception, app_exception, not_sent, may_have_run, timeout,
         bad_request, no_route)
@@ -291,7 +291,7 @@ class _Collector:
                                     "Per-hop latency of calls through the sidecar (hops as in the span tree).",
                                     labels=("service", "method", "hop"))
         total = HistogramMetricFamily("thrift_sidecar_call_duration_seconds",
-                                      "Call latency: first request byte to the client acknowledging the reply.",
+                                      "Call latency: first request byte to the client having every reply byte (none left unsent).",
                                       labels=("service", "method"))
         calls = CounterMetricFamily("thrift_sidecar_calls_total", "Calls by outcome.",
                                     labels=("service", "method", "outcome"))

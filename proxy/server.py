@@ -305,7 +305,7 @@ class Server:
         self.listeners[lc.name] = state
         self.servers[lc.name] = srv
         self._listen_cfg[lc.name] = lc
-        log.info("listener %s on %s (%s/%s)", lc.name, self.address(lc.name), lc.transport, lc.protocol)
+        log.info("listener %s on %s (%s/%s)", lc.name, "%s:%d" % self.address(lc.name), lc.transport, lc.protocol)
 
     async def _start_admin(self) -> None:
         cfg = self.config
@@ -417,7 +417,7 @@ class Server:
             for slot in slots:
                 if slot.fresh_server:
                     await slot.server.start_serving()
-                    log.info("listener %s on %s (%s/%s)", slot.lc.name, self.address(slot.lc.name),
+                    log.info("listener %s on %s (%s/%s)", slot.lc.name, "%s:%d" % self.address(slot.lc.name),
                              slot.lc.transport, slot.lc.protocol)
             for c in retired:
                 checker = self.health.get(c.name)

@@ -2,7 +2,7 @@
 
 Span tree of one call (DESIGN.md):
 
-    SERVER "{service}/{method}"      first request byte read → client acknowledged the last reply byte
+    SERVER "{service}/{method}"      first request byte read → the client has every reply byte (none left unsent)
      ├─ read_request                 first byte → whole request framed
      ├─ CLIENT "{service}/{method}"  one per upstream attempt
      │   ├─ acquire                  pool lease, including connect (one never got: until the attempt ended)
@@ -11,7 +11,7 @@ Span tree of one call (DESIGN.md):
      │   └─ read_response            first reply byte → whole reply framed
      ├─ backoff                      only between retries
      ├─ queued                       a finished reply waited for earlier pipelined replies
-     └─ write_response               first reply byte written → client's kernel acknowledged every byte
+     └─ write_response               first reply byte written → every byte left our send queue (SIOCOUTQNSD = 0)
 
 Attribute keys follow the OpenTelemetry semantic conventions (pinned below)
 for RPC, server and network; the proxy's own keys live under `sidecar.`.

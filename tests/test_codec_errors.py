@@ -461,3 +461,11 @@ def test_zlib_payload_inflating_past_the_limit_is_refused_when_inflated(protocol
     assert len(m.payload(max_size=20_000_000 + len(f.plain))) == len(bomb)
     # THeader to THeader needs no inflating: the payload passes as it came.
     assert reframe(m, Framing.FRAMED_HEADER)[4:] == data
+
+
+def test_a_theader_frame_on_a_framed_listener_is_named_as_such():
+    """A THeader client (e.g. proxy.client's default) on a framed/binary listener: the error says
+    what it looks like and what to set, not "needs binary_nonstrict" (a new user's trap)."""
+    frame = encode_header_frame(HeaderBlock(0, 1, 0, (), {}), fx(Framing.BUFFERED, B, "ping-call").data)
+    fails(frame, Framing.FRAMED, B, starts="bad request: bad binary protocol version 0x0fff0000 (this looks like "
+                                     "a THeader frame: set the listener's transport to header or auto)")

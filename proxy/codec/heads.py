@@ -105,6 +105,10 @@ def _read_binary_head(buf, pos: int, end: int, nonstrict_ok: bool):
         seqid = _I32.unpack_from(buf, pos + 8 + nlen)[0]
         return name, mtype, seqid, need
     if not nonstrict_ok:
+        if (first >> 16) & 0xFFFF == 0x0FFF:  # THeader's magic where a message was expected
+            raise ProtocolError(
+                f"bad request: bad binary protocol version 0x{first & 0xFFFFFFFF:08x} (this looks like "
+                "a THeader frame: set the listener's transport to header or auto)")
         raise ProtocolError(
             f"bad request: bad binary protocol version 0x{first & 0xFFFFFFFF:08x} "
             "(an unversioned message needs protocol binary_nonstrict)")
