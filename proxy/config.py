@@ -387,6 +387,15 @@ class Listener(_Model):
         return data
 
     @model_validator(mode="after")
+    def _nonstrict_needs_a_framing(self) -> Listener:
+        if self.transport == "auto" and self.protocol == "binary_nonstrict":
+            # A frame and an unversioned binary message both begin with an i32 length (the
+            # frame's, the name's): which one it is cannot be told from the bytes.
+            raise _At("transport", "auto cannot tell framed from buffered for protocol binary_nonstrict "
+                                   "(both begin with a length): set framed or buffered")
+        return self
+
+    @model_validator(mode="after")
     def _routes_reachable(self) -> Listener:
         for i, route in enumerate(self.routes[:-1]):
             if route.match is None:

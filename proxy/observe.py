@@ -18,6 +18,7 @@ from proxy.looplag import LoopLagMonitor
 from proxy.metrics import ServiceMetrics, call_end, call_outcome
 
 access_log = logging.getLogger("proxy.access")
+_TRACE_HEADERS = ("traceparent", "tracestate")
 
 
 def _ms(a: int, b: int) -> float | None:
@@ -86,4 +87,9 @@ class TraceHooks:
         self.telemetry.begin(call)
 
     def send(self, attempt, headers: dict) -> None:
+        """Ours replace the client's trace headers, whatever their case (a client's traceparent
+        and tracestate were read, kept or dropped, by `telemetry.begin`; sending them on beside
+        ours would give the upstream two conflicting parents)."""
+        for key in [k for k in headers if k.lower() in _TRACE_HEADERS]:
+            del headers[key]
         headers.update(self.telemetry.upstream_headers(attempt))

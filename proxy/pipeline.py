@@ -39,6 +39,7 @@ from proxy.breaker import CLOSED, classify_for_breaker
 from proxy.calls import Attempt, Call, Upload
 from proxy.clock import STALL_GRACE
 from proxy.codec.rename import strip_service
+from proxy.codec.theader import HeaderBlockTooLarge
 from proxy.codec import (AppErrorType, Message, MessageType, Protocol, ProtocolError, exception_reply,
                          reframe)
 from proxy.codec.wire import F_FRAMED_HEADER, F_HEADER, M_CALL, M_EXCEPTION, M_ONEWAY
@@ -49,6 +50,15 @@ log = logging.getLogger(__name__)
 
 PREFIX = "thrift-sidecar: "
 CLIENT_TIMEOUT_HEADER = "client_timeout"  # ms, as fbthrift carries it
+_MAX_CLIENT_TIMEOUT_MS = 2**31 - 1        # ~24.8 days: any more is "no cap" in practice
+
+
+def _client_timeout(value: str) -> float:
+    """A THeader client_timeout (ASCII decimal ms) in seconds; 0 when it is not one (ignored).
+    Not `int()`, which also takes "1_000", " 200 " and other scripts' digits."""
+    if not value.isascii() or not value.isdigit():
+        return 0.0
+    return (min(int(value), _MAX_CLIENT_TIMEOUT_MS) if len(value) <= 12 else _MAX_CLIENT_TIMEOUT_MS) / 1000
 DEFAULT_RETRY_BUFFER = cfgmod.Route.model_fields["retry_buffer"].default  # a route without settings
 UPLOAD_HOLD = 1 << 20  # bytes of a streaming request held while it waits for a connection
 STALL_RECHECK = 0.001  # s: a deadline the stalled loop overslept is looked at again after one I/O poll
@@ -137,12 +147,9 @@ class Pipeline:
         timeout = route.settings.timeout if route.settings is not None else 0.0
         client_ms = msg.headers.get(CLIENT_TIMEOUT_HEADER) if msg.header is not None else None
         if client_ms:
-            try:
-                cap = int(client_ms) / 1000
-                if cap > 0 and (timeout <= 0 or cap < timeout):
-                    timeout = cap
-            except ValueError:
-                pass
+            cap = _client_timeout(client_ms)
+            if cap > 0 and (timeout <= 0 or cap < timeout):
+                timeout = cap
         if timeout > 0 and not call.oneway:
             if upload is not None:
                 upload.timeout = timeout  # counts from the request's last byte (_upload_received)
@@ -344,8 +351,13 @@ class Pipeline:
             if self.on_send is not None:
                 self.on_send(attempt, headers)
             limit = call.conn.max_frame_size
-            return (strip_service(call.msg, framing, headers, limit) if call.route.strip_service
-                    else reframe(call.msg, framing, headers, limit))
+            try:
+                return (strip_service(call.msg, framing, headers, limit) if call.route.strip_service
+                        else reframe(call.msg, framing, headers, limit))
+            except HeaderBlockTooLarge:
+                # The client's own headers fill the block: ours (deadline, trace context) do not
+                # fit, so the request goes on with the client's headers only.
+                log.info("call %s: THeader headers full, sent without the proxy's", call.msg.name)
         if call._req_framing is framing:  # a retry to the same framing: made already
             return call._req_data
         limit = call.conn.max_frame_size  # (a zlib THeader payload inflates up to it, no further)

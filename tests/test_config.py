@@ -260,6 +260,9 @@ ENDPOINTS = "[127.0.0.1:9191]"
     ("clusters:", "admin: {listen: '127.0.0.1:9090'}\nclusters:",
      ["2: listeners[0].listen: 127.0.0.1:9090 is already used by admin.listen"]),
     ("clusters:", "listner: 1\nclusters:", ["4: listner: unknown key (did you mean 'listeners'?)"]),
+    ("    routes:", "    transport: auto\n    protocol: binary_nonstrict\n    routes:",
+     ["3: listeners[0].transport: auto cannot tell framed from buffered for protocol binary_nonstrict "
+      "(both begin with a length): set framed or buffered"]),
 ])
 def test_rule_errors(old, new, errors):
     assert old in MINIMAL

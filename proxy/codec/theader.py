@@ -114,7 +114,8 @@ def _string(buf, p: int, end: int) -> tuple[str, int]:
     n, p = _varint(buf, p, end)
     if p + n > end:
         raise ProtocolError("bad request: THeader header string beyond the header block")
-    return bytes(buf[p:p + n]).decode("utf-8", "replace"), p + n
+    # (surrogateescape: bytes that are not UTF-8 come back unchanged when the block is re-encoded)
+    return bytes(buf[p:p + n]).decode("utf-8", "surrogateescape"), p + n
 
 
 def inflate(payload, transforms: tuple[int, ...], limit: int) -> bytes:
@@ -150,6 +151,10 @@ def inflate_all(payload, transforms: tuple[int, ...], max_size: int) -> bytes:
     return bytes(data)
 
 
+class HeaderBlockTooLarge(ValueError):
+    """The headers do not fit a THeader header block (65,535 words)."""
+
+
 def encode_header_block(block: HeaderBlock, headers: dict[str, str] | None = None) -> bytes:
     """The fixed part and the header block (no length prefix), for a payload to follow."""
     out = bytearray()
@@ -162,8 +167,8 @@ def encode_header_block(block: HeaderBlock, headers: dict[str, str] | None = Non
         write_varint(out, THEADER_INFO_KEYVALUE)
         write_varint(out, len(hdrs))
         for k, v in hdrs.items():
-            kb = k.encode("utf-8")
-            vb = v.encode("utf-8")
+            kb = k.encode("utf-8", "surrogateescape")
+            vb = v.encode("utf-8", "surrogateescape")
             write_varint(out, len(kb))
             out += kb
             write_varint(out, len(vb))
@@ -172,7 +177,7 @@ def encode_header_block(block: HeaderBlock, headers: dict[str, str] | None = Non
     out += b"\x00" * pad
     words = len(out) // 4
     if words > 0xFFFF:
-        raise ValueError("THeader header block too large")
+        raise HeaderBlockTooLarge(f"THeader header block of {len(out)} bytes (at most {0xFFFF * 4})")
     return _HDR_FIXED.pack(THEADER_MAGIC, block.flags, block.seqid, words) + bytes(out)
 
 

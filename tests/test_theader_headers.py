@@ -1,0 +1,137 @@
+"""THeader info headers through the proxy, as a THeader upstream receives them: the client's own
+headers kept byte for byte when the proxy re-encodes the block (its client_timeout, trace context),
+ours replacing the client's trace headers whatever their case, a block too full for ours, and
+what client_timeout values are taken as a cap."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from thrift.protocol import THeaderProtocol
+from thrift.transport import TTransport
+
+from harness import HEADER_TYPES, Handler, TestService, ThriftServer, config_text, read_messages
+from spans_util import Traced
+
+TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+class Recorder(Handler):
+    """Records each request's THeader headers as raw bytes."""
+
+    def __init__(self) -> None:
+        super().__init__("hup")
+        self.seen: list[dict[bytes, bytes]] = []
+
+    def _hit(self, method: str = "") -> None:
+        prot = getattr(self.local, "prot", None)
+        if prot is not None and hasattr(prot, "get_headers"):
+            with self.lock:
+                self.seen.append(dict(prot.get_headers()))
+        super()._hit(method)
+
+
+class RecordingServer(ThriftServer):
+    def _processor(self):
+        inner = super()._processor()
+        handler = self.handler
+
+        class Processor:
+            def process(self, iprot, oprot):
+                handler.local.prot = iprot
+                return inner.process(iprot, oprot)
+
+        return Processor()
+
+
+def _request(headers: dict[bytes, bytes], seqid: int = 1) -> bytes:
+    buf = TTransport.TMemoryBuffer()
+    prot = THeaderProtocol.THeaderProtocol(buf, HEADER_TYPES)
+    for k, v in headers.items():
+        prot.set_header(k, v)
+    c = TestService.Client(prot)
+    c._seqid = seqid
+    c.send_lookup("k")
+    return buf.getvalue()
+
+
+def _call(port: int, data: bytes):
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(data)
+        (m,) = read_messages(s, 1, "header", timeout=10)
+    return m
+
+
+@pytest.fixture
+def upstream():
+    up = RecordingServer("header", "binary", handler=Recorder())
+    yield up
+    up.stop()
+
+
+def _config(up, route: str = "") -> str:
+    text = config_text([up.address], transport="header", cluster_transport="header")
+    return text.replace("      - cluster: up", "      - cluster: up" + route)
+
+
+@pytest.mark.parametrize("route", ["\n        timeout: 2s", "\n        strip_service: true"],
+                         ids=["client_timeout_added", "strip_service"])
+def test_header_bytes_that_are_not_utf8_pass_unchanged_when_the_block_is_re_encoded(upstream, route):
+    """Before: decoded with 'replace', so ff fe 00 80 reached the upstream as U+FFFD sequences."""
+    from harness import Proxy
+
+    sent = {b"x-bin": b"\xff\xfe\x00\x80", b"k\xe9y": b"latin1-key"}
+    with Proxy(_config(upstream, route)) as p:
+        assert _call(p.port(), _request(sent)).type == 2
+    got = upstream.handler.seen[-1]
+    assert got[b"x-bin"] == b"\xff\xfe\x00\x80" and got[b"k\xe9y"] == b"latin1-key", got
+    if "timeout" in route:
+        assert b"client_timeout" in got  # (the block was re-encoded)
+
+
+def test_a_header_block_too_full_for_the_proxys_headers_goes_on_with_the_clients(upstream):
+    """The client's headers take 65,534 of the block's 65,535 words: the proxy's client_timeout
+    does not fit, so the request goes on with the client's headers only. Before: a ValueError
+    on the loop, the client's connection dropped without a reply."""
+    from harness import Proxy
+
+    big = {b"x-big": b"v" * 262_120}
+    with Proxy(_config(upstream, "\n        timeout: 3s")) as p:
+        reply = _call(p.port(), _request(big, seqid=5))
+    assert (reply.type, reply.seqid) == (2, 5)
+    got = upstream.handler.seen[-1]
+    assert got[b"x-big"] == big[b"x-big"] and b"client_timeout" not in got
+
+
+@pytest.mark.parametrize("client_headers", [
+    {b"traceparent": b"garbage", b"tracestate": b"vendor=abc"},
+    {b"tracestate": b"vendor=abc"},
+    {b"traceparent": TP.encode(), b"tracestate": b"v=" + b"a" * 598},
+    {b"Traceparent": TP.encode()},
+    {b"traceparent": TP.encode(), b"TRACESTATE": b"k=v"},
+], ids=["bad_parent_with_state", "state_alone", "state_over_512", "capital_parent", "capital_state"])
+def test_the_upstream_gets_our_trace_headers_only(upstream, client_headers):
+    """The proxy reads the client's trace headers (case-insensitively, dropping what is
+    invalid) and sends its own: none of the client's goes on beside them. Before: both, so the
+    upstream had two conflicting parents or a tracestate the proxy had dropped."""
+    with Traced(_config(upstream), ratio=1.0) as t:
+        assert _call(t.port(), _request(client_headers)).type == 2
+    got = upstream.handler.seen[-1]
+    trace_keys = [k for k in got if k.lower() in (b"traceparent", b"tracestate")]
+    assert b"traceparent" in trace_keys and all(k == k.lower() for k in trace_keys), got
+    assert len(got.get(b"tracestate", b"")) <= 512
+    if client_headers.get(b"traceparent") == b"garbage" or b"traceparent" not in {k.lower() for k in client_headers}:
+        assert b"tracestate" not in got  # (travels only with a valid traceparent)
+
+
+@pytest.mark.parametrize("value,seconds", [
+    ("150", 0.15), ("0", 0.0), ("-5", 0.0), ("1_000", 0.0), (" 200 ", 0.0), ("\u0661\u0662\u0663", 0.0),
+    ("garbage", 0.0), ("99999999999999999999", (2**31 - 1) / 1000), ("9" * 5000, (2**31 - 1) / 1000),
+])
+def test_client_timeout_is_ascii_milliseconds_clamped(value, seconds):
+    """Only ASCII decimal ms are a cap, clamped (before: int() took '1_000', ' 200 ' and
+    Arabic-Indic digits, and forwarded values past int64)."""
+    from proxy.pipeline import _client_timeout
+
+    assert _client_timeout(value) == seconds
