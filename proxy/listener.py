@@ -827,7 +827,10 @@ class ClientConnection(asyncio.Protocol):
         if self.closing:
             return
         idle = self.state.settings.idle_timeout
-        quiet = (monotonic_ns() - self._last_active) / 1e9
+        now = monotonic_ns()
+        if self._unacked or self.stream_call is not None or self.paused_writing:
+            self._last_active = now  # still delivering replies (a slow reader is not idle)
+        quiet = (now - self._last_active) / 1e9
         if not self.queue and not self.decoder.buffered and quiet >= idle:
             self.state.stats["idle_closed"] += 1
             self.closing = True

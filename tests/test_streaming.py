@@ -396,6 +396,35 @@ def test_slow_reader_of_a_streamed_reply_is_not_cut_by_the_route_timeout(config)
         up.close()
 
 
+def test_idle_timeout_leaves_a_connection_alone_while_its_reply_is_still_going_out():
+    """idle_timeout 500ms and a 16 MB reply that a slow client takes ~1.5 s to read: the
+    connection is not idle while reply bytes are still in the proxy's send queue, and the next
+    request on it is answered. Before: closed as idle mid-reply (activity counted only reads)."""
+    up = RawBigUpstream(16_000_000)
+    try:
+        text = _big_config(f"127.0.0.1:{up.port}").replace(
+            "    max_frame_size: 300MiB", "    max_frame_size: 300MiB\n    idle_timeout: 500ms")
+        with Proxy(text) as p:
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+            s.connect(("127.0.0.1", p.port()))
+            with s:
+                s.settimeout(10)
+                s.sendall(request_bytes("framed", "binary", "echo", b"", seqid=3))
+                got = 0
+                while got < 4 + 16_000_024:
+                    time.sleep(0.02)
+                    chunk = s.recv(256 * 1024)
+                    assert chunk, f"closed after {got} bytes"
+                    got += len(chunk)
+                s.sendall(request_bytes("framed", "binary", "ping", seqid=4))
+                (r,) = read_messages(s, 1)
+            assert (r.seqid, r.type) == (4, MessageType.REPLY)
+            assert p.server.listeners["test"].stats["idle_closed"] == 0
+    finally:
+        up.close()
+
+
 class StallingUpstream(RawUpstream):
     """Sends the first 200 KB of a 1 MB reply, then nothing more (the connection stays open)."""
 
