@@ -444,7 +444,7 @@ class ClientConnection(asyncio.Protocol):
                 t.cancel()
         for call in self.queue:
             if call.pipeline is not None:
-                call.pipeline.cancel(call)
+                call.pipeline.cancel(call, self._closed_why)
         self.queue.clear()
         up = self.stream_up
         if up is not None:  # gone mid-stream: its upstream connection (maybe paused) goes too
@@ -616,6 +616,8 @@ class ClientConnection(asyncio.Protocol):
         call.t_done = call.t_done or now
         call.t_handed = now
         if self.transport is not None:
+            if self._closed_why is None:  # (calls behind it are not the client's leaving)
+                self._closed_why = f"an earlier call's streamed reply broke ({call.msg.name}: {call.error})"
             self.transport.abort()
         call.pipeline.completed(call)
 

@@ -743,7 +743,7 @@ class Pipeline:
         if self.on_complete is not None:
             self.on_complete(call)
 
-    def cancel(self, call: Call) -> None:
+    def cancel(self, call: Call, closed_by_proxy: str | None = None) -> None:
         """The client went away: stop waiting, and stop an attempt that was written. Its reply
         would have nowhere to go, and nothing would bound the wait for it (the route timeout
         goes with the call): its connection is closed, as Envoy resets the upstream request
@@ -753,12 +753,20 @@ class Pipeline:
         The call is recorded (metrics, and a trace: it counts as failed), outcome
         `client_gone` when it had no reply yet: a client killed or reset in the middle of a
         slow call leaves exactly the call whose hops one wants to see. (A client that only
-        half-closes, FIN, is still answered: its call goes on.)"""
+        half-closes, FIN, is still answered: its call goes on.) `closed_by_proxy`: it was the
+        proxy that closed the connection (why: a write stall, an earlier streamed reply that
+        broke): then the call is recorded as not delivered, not as the client's leaving."""
         call.cancelled = True
         self._cancel_backoff(call)
         a = call.attempt
         record = not call.streamed and call.msg is not None
-        if record:
+        if record and closed_by_proxy is not None:
+            written = a is not None and a.upconn is not None
+            call.outcome = call.outcome or (calls.MAY_HAVE_RUN if written or call.written else calls.NOT_SENT)
+            call.error_type = "not_delivered"
+            call.error = f"not delivered: the proxy closed the client's connection: {closed_by_proxy}"
+            call.t_done = call.t_done or monotonic_ns()
+        elif record:
             self.stats["client_gone"] += 1
             if call.reply is None:
                 up = call.upload

@@ -135,3 +135,35 @@ def test_requests_held_back_at_max_inflight_count_their_wait():
     assert sorted(pings) == list(range(1, 132))  # all kept as slow
     for seqid in (1, 127, 128, 131):
         assert pings[seqid].total_ms >= 250, (seqid, pings[seqid].total_ms)
+
+
+def test_calls_behind_a_broken_stream_are_not_delivered_not_client_gone():
+    """A streamed reply breaks (its upstream resets mid-reply): the proxy closes that client's
+    connection, and the two pings pipelined behind it never reach the client. They are recorded
+    as not delivered, because of the proxy's close, not as the client's leaving. Before:
+    client_gone ("the client closed its connection") and client_never_read."""
+    from test_upstream_faults import FaultUpstream
+
+    up = FaultUpstream()
+    up.plan.extend(["stream_reset:8000000", "ok", "ok"])
+    try:
+        text = _cfg(up.address, "\n    max_frame_size: 64MiB", cluster="\n    max_reply_size: 64MiB")
+        with Traced(text, ratio=1.0) as t:
+            with socket.create_connection(("127.0.0.1", t.port())) as s:
+                s.sendall(request_bytes("framed", "binary", "lookup", "big", seqid=1))
+                time.sleep(0.05)  # (the upstream takes its plan in arrival order: lookup first)
+                s.sendall(request_bytes("framed", "binary", "ping", seqid=2)
+                          + request_bytes("framed", "binary", "ping", seqid=3))
+                s.settimeout(10)
+                while s.recv(1 << 20):
+                    pass
+            calls = t.wait_calls(3)
+            stats = t.proxy.server.listeners["test"].pipeline.stats
+    finally:
+        up.close()
+    pings = [c for c in calls if c.attrs[spans.RPC_METHOD] == "ping"]
+    assert len(pings) == 2
+    for c in pings:
+        assert c.attrs[spans.ERROR_TYPE] == "not_delivered", c.attrs
+        assert "an earlier call's streamed reply broke" in c.server.status.description
+    assert stats["client_gone"] == 0
