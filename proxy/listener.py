@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 LINGER = 2.0  # seconds a closing connection keeps reading (and discarding) so its reply is read
 ACK_POLL_FIRST = 0.001  # then doubling, up to ACK_POLL_MAX, while a reply is not acknowledged
 ACK_POLL_MAX = 0.01
+STALL_LOOKS = 4  # looks per request_read_timeout at a client whose reading holds our writing back
 ACK_CAP_NS = 60_000_000_000  # a client that has not acknowledged a reply after this never read it
 UNDECIDED, NEVER = -2, -1    # ClientConnection._upload_at before a request's head is looked at / never
 
@@ -79,7 +80,8 @@ class ClientConnection(asyncio.Protocol):
                  "closing", "paused_reading", "paused_writing", "_read_timer", "_idle_timer",
                  "_last_active", "_linger", "fd", "bytes_out", "_unacked", "_ack_poll", "_ack_delay",
                  "stream_call", "stream_up", "_paused_at", "_framing", "_eof", "_stall_timer",
-                 "_stall_mark", "upload", "_upload_at", "_upload_held", "_closed_why", "_held_since")
+                 "_stall_mark", "_stall_seen", "upload", "_upload_at", "_upload_held", "_closed_why",
+                 "_held_since")
 
     def __init__(self, state: ListenerState) -> None:
         self.state = state
@@ -107,7 +109,8 @@ class ClientConnection(asyncio.Protocol):
         self._framing = False                  # in _frame_requests (no nested framing)
         self._eof = False                      # half-closed while requests wait in the decoder
         self._stall_timer = None               # armed while writing is paused
-        self._stall_mark = 0                   # bytes the client had read when it was armed
+        self._stall_mark = 0                   # bytes the client had read at the last look
+        self._stall_seen = 0                   # when the last look saw it take bytes
         self._closed_why: str | None = None    # why the proxy itself closed it (else: the client did)
         self.upload: Upload | None = None      # a large request passing upstream as it arrives
         self._upload_at = UNDECIDED            # bytes past which the request arriving streams
@@ -483,8 +486,9 @@ class ClientConnection(asyncio.Protocol):
             self.transport.pause_reading()
         if self._stall_timer is None and self.state.settings.request_read_timeout > 0:
             self._stall_mark = self._client_read()
-            self._stall_timer = self.state.loop.call_later(self.state.settings.request_read_timeout,
-                                                           self._write_stall)
+            self._stall_seen = monotonic_ns()
+            self._stall_timer = self.state.loop.call_later(
+                self.state.settings.request_read_timeout / STALL_LOOKS, self._write_stall)
 
     def _client_read(self) -> int:
         """Reply bytes the client's kernel has taken (written, handed, and not left unsent)."""
@@ -496,9 +500,12 @@ class ClientConnection(asyncio.Protocol):
             return
         read = self._client_read()
         timeout = self.state.settings.request_read_timeout
-        if read != self._stall_mark:  # slow, but reading: look again later
+        now = monotonic_ns()
+        if read != self._stall_mark:  # slow, but reading (or its kernel still taking bytes)
             self._stall_mark = read
-            self._stall_timer = self.state.loop.call_later(timeout, self._write_stall)
+            self._stall_seen = now
+        if now - self._stall_seen < timeout * 1e9:  # a stall is a whole timeout with no byte taken
+            self._stall_timer = self.state.loop.call_later(timeout / STALL_LOOKS, self._write_stall)
             return
         self.state.stats["write_stalls"] += 1
         log.info("client %s on listener %s read no reply byte for %gs (%d bytes waiting): closing",

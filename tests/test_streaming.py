@@ -425,6 +425,39 @@ def test_idle_timeout_leaves_a_connection_alone_while_its_reply_is_still_going_o
         up.close()
 
 
+def test_a_client_that_never_reads_a_stream_is_closed_after_one_timeout_not_two():
+    """request_read_timeout 2 s, a ~10 MB buffered (never spliced) reply, a client that never
+    reads: closed as a write stall about 2 s after its last byte taken (looks every 1/4 of the
+    timeout). Before: the first look, a whole
+    timeout after the pause, counted the kernel still filling the client's buffer as reading
+    and waited a second timeout (~4.5 s)."""
+    up = ThriftServer("buffered", "binary")
+    try:
+        text = config_text([up.address], transport="buffered").replace(
+            "    protocol: binary\n    routes", "    protocol: binary\n    request_read_timeout: 2s\n    routes")
+        with Proxy(text) as p:
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", p.port()))
+            with s:
+                s.sendall(request_bytes("buffered", "binary", "get_users", 58000, 0, seqid=3))
+                state = p.server.listeners["test"]
+                deadline = time.monotonic() + 10
+                conns = []
+                while not conns and time.monotonic() < deadline:  # writing to it paused: the stall begins
+                    conns = [c for c in list(state.connections) if c.paused_writing]
+                    time.sleep(0.005)
+                paused = time.monotonic()
+                assert conns
+                while state.stats["write_stalls"] == 0 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                took = time.monotonic() - paused
+        print(f"closed as a write stall {took:.2f}s after the pause")
+        assert 1.9 <= took < 3.6, took  # (before: ~4 s, two whole timeouts)
+    finally:
+        up.stop()
+
+
 class StallingUpstream(RawUpstream):
     """Sends the first 200 KB of a 1 MB reply, then nothing more (the connection stays open)."""
 
