@@ -124,6 +124,19 @@ class Cluster:
         self.stats["calls"] += 1
         return self.balancer.pick(eps)
 
+    def why_no_endpoint(self) -> str:
+        """Why `pick` found none, for the caller's error (not on the hot path): no endpoints (and
+        what discovery last said), or how many are out and why."""
+        eps = self.endpoints
+        if not eps:
+            d = self.discovery
+            said = f"; {d.kind} discovery: {d.last_error}" if d is not None and d.last_error else ""
+            return f"cluster '{self.name}' has no endpoints{said}"
+        ejected = sum(1 for ep in eps if ep.breaker is not None and not ep.breaker.allows())
+        unhealthy = sum(1 for ep in eps if not ep.healthy)
+        return (f"no endpoint available in cluster '{self.name}': {len(eps)} endpoint(s), "
+                f"{ejected} ejected (breaker open), {unhealthy} failing health checks")
+
     def pool(self, endpoint: Endpoint, framing: Framing, protocol: Protocol) -> Pool:
         key = (framing, protocol)
         pool = endpoint.pools.get(key)

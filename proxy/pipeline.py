@@ -247,8 +247,7 @@ class Pipeline:
         # a retry goes to another endpoint when one exists
         endpoint = cluster.pick([a.endpoint for a in call.attempts] if call.attempts else ())
         if endpoint is None:
-            self._give_up(call, UpstreamError(f"no endpoint available in cluster '{cluster.name}'",
-                                              written=False, endpoint_fault=False))
+            self._give_up(call, UpstreamError(cluster.why_no_endpoint(), written=False, endpoint_fault=False))
             return
         now = monotonic_ns()
         attempt = Attempt(call, endpoint, len(call.attempts) + 1, now)

@@ -345,3 +345,27 @@ def test_a_failed_connect_counts_once_against_the_breaker():
         with pytest.raises(TApplicationException):
             c.lookup("k")
         assert ep.breaker.state_name == "open"
+
+
+def test_no_endpoint_errors_say_why(tmp_path):
+    """"not sent: no endpoint available" alone leaves an operator guessing. The error says
+    whether the cluster has no endpoints (and what its discovery last said) or how many are
+    out and why."""
+    missing = tmp_path / "endpoints.yaml"
+    text = cfg([]).replace("    endpoints: []", f"    endpoints: {{file: {missing}}}")
+    with Proxy(text) as p, client(p.port()) as c:
+        with pytest.raises(TApplicationException) as e:
+            c.lookup("x")
+    assert e.value.message == ("thrift-sidecar: not sent: cluster 'up' has no endpoints; "
+                               "file discovery: missing or unreadable"), e.value.message
+
+    dead = "127.0.0.1:1"  # connect refused: one failure ejects it (and never panics at 100%)
+    text = cfg([dead], cluster_extra="\n    circuit_breaker: {consecutive_failures: 1, open_for: 30s, "
+                                     "max_open_percent: 100}")
+    with Proxy(text) as p, client(p.port()) as c:
+        with pytest.raises(TApplicationException, match="connect to"):
+            c.lookup("x")
+        with pytest.raises(TApplicationException) as e:
+            c.lookup("y")
+    assert e.value.message == ("thrift-sidecar: not sent: no endpoint available in cluster 'up': 1 endpoint(s), "
+                               "1 ejected (breaker open), 0 failing health checks"), e.value.message
