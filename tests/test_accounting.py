@@ -212,9 +212,9 @@ def test_clients_that_go_away_do_not_open_a_healthy_endpoints_breaker(gone):
 
 
 def test_a_retry_whose_backoff_passes_the_deadline_spends_no_budget():
-    """The backoff (20 s) would pass the route deadline (200 ms): no retry happens, and none is
-    paid for. Before: each such call withdrew from the retry budget, which then refused another
-    route's real retry."""
+    """The backoff (up to 20 s, full jitter) would pass the route deadline (200 ms): no retry
+    happens (but for a rare short draw), and none is paid for. Before: each such call withdrew
+    from the retry budget, which then refused another route's real retry."""
     dead = f"127.0.0.1:{free_port()}"  # connect refused: not sent, always retryable
     with Proxy(f"""
 listeners:
@@ -238,12 +238,13 @@ clusters:
             with _send(port, "lookup", "k", seqid=seqid) as s:
                 assert "connect to" in _answer(s)
         stats = p.call(p.server.snapshot)
-        assert stats["listeners"]["test"]["retries"] == 0
-        assert stats["clusters"]["up"]["retry_budget"]["retries"] == 0
+        retried = stats["listeners"]["test"]["retries"]  # (full jitter: a rare short backoff retries)
+        assert retried <= 2, retried
+        assert stats["clusters"]["up"]["retry_budget"]["retries"] == retried  # paid only for retries made
         with _send(port, "count", "k") as s:
             assert "connect to" in _answer(s)
         stats = p.call(p.server.snapshot)["listeners"]["test"]
-        assert (stats["retries"], stats["retries_refused_budget"]) == (1, 0)
+        assert (stats["retries"], stats["retries_refused_budget"]) == (retried + 1, 0)
 
 
 def test_waits_given_up_leave_the_pools_queue():
