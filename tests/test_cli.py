@@ -120,7 +120,7 @@ def test_sighup_while_starting_is_a_reload_once_up_not_the_end_of_the_process(tm
             assert proc.poll() is None and time.monotonic() < deadline
             assert not listening(port), "listening before SIGHUP is handled"
             time.sleep(0.001)
-        assert not listening(port)  # (still starting)
+        early = not listening(port)  # (still starting: nearly always, unless this test was descheduled)
         proc.send_signal(signal.SIGHUP)
         while not listening(port):
             assert proc.poll() is None, proc.communicate()[0]
@@ -134,7 +134,8 @@ def test_sighup_while_starting_is_a_reload_once_up_not_the_end_of_the_process(tm
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=20)[0]
         up.stop()
-    assert "SIGHUP received while starting: reloading now" in out, out
+    if early:
+        assert "SIGHUP received while starting: reloading now" in out, out
     assert "reloaded" in out, out
 
 
