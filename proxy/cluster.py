@@ -77,7 +77,6 @@ class Cluster:
         # Called with each endpoint discovery adds (e.g. to give it a breaker); static
         # endpoints are set up where the cluster is built.
         self.endpoint_setup: Callable[[Endpoint], None] | None = None
-        self.retired = False      # replaced by a reload (retire()); closed once not in_use()
         self._retiring: set[Pool] = set()
         self._retire_timer: asyncio.TimerHandle | None = None
 
@@ -189,7 +188,6 @@ class Cluster:
     def retire(self) -> None:
         """A reload replaced this cluster: stop discovery; its pools stay open for the calls
         still on it (`in_use`) until `close()`."""
-        self.retired = True
         if self.discovery is not None:
             self.discovery.close()
 

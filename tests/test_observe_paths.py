@@ -14,9 +14,7 @@ import pytest
 from harness import ThriftServer, client, read_messages, request_bytes
 from proxy import spans
 from spans_util import Traced
-
-TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
-PARENT_ID = "00f067aa0ba902b7"
+from test_tracing_live import PARENT_ID, TRACE_ID
 
 
 def _cfg(upstream: str, listener: str = "", route: str = "", cluster: str = "") -> str:

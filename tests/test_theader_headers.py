@@ -11,8 +11,9 @@ import pytest
 from thrift.protocol import THeaderProtocol
 from thrift.transport import TTransport
 
-from harness import HEADER_TYPES, Handler, TestService, ThriftServer, config_text, read_messages
+from harness import HEADER_TYPES, Handler, TestService, config_text, read_messages
 from spans_util import Traced
+from test_tracing_live import HeaderServer
 
 TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -30,19 +31,6 @@ class Recorder(Handler):
             with self.lock:
                 self.seen.append(dict(prot.get_headers()))
         super()._hit(method)
-
-
-class RecordingServer(ThriftServer):
-    def _processor(self):
-        inner = super()._processor()
-        handler = self.handler
-
-        class Processor:
-            def process(self, iprot, oprot):
-                handler.local.prot = iprot
-                return inner.process(iprot, oprot)
-
-        return Processor()
 
 
 def _request(headers: dict[bytes, bytes], seqid: int = 1) -> bytes:
@@ -65,7 +53,7 @@ def _call(port: int, data: bytes):
 
 @pytest.fixture
 def upstream():
-    up = RecordingServer("header", "binary", handler=Recorder())
+    up = HeaderServer("header", "binary", handler=Recorder())
     yield up
     up.stop()
 
