@@ -3,6 +3,7 @@
     proxy.codec._scan      the unframed-message scanner (proxy.codec.scan; SCANNER_IMPL)
     proxy.codec._message   Message's fields and the one-read framed shortcut (proxy.codec.message; TAKE_IMPL)
     proxy._hops            a finished call's hop histograms (proxy.metrics; HOPS_IMPL)
+    proxy._sockq           a TCP socket's queue sizes, GIL held (proxy.sockets; SOCKQ_IMPL)
 
 Everything else about the package is in pyproject.toml. The extensions are optional:
 if one cannot be compiled (no C compiler or Python headers) the build warns and goes
@@ -23,6 +24,7 @@ setup(
             ("proxy.codec._scan", "proxy/codec/_scan.c"),
             ("proxy.codec._message", "proxy/codec/_message.c"),
             ("proxy._hops", "proxy/_hops.c"),
+            ("proxy._sockq", "proxy/_sockq.c"),
         ]
     ],
 )

@@ -127,6 +127,9 @@ class Breaker:
         `probe`: it took a probe slot (on_pick() said so), which it frees."""
         state = self.state
         if state is CLOSED:
+            if success and not self.consecutive and not self.window.b:
+                self.window.add(1)  # the common case: nothing to count towards opening
+                return
             self._record_closed(success)
         elif state is HALF_OPEN:
             if probe and self.probes > 0:

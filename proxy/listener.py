@@ -651,7 +651,14 @@ class ClientConnection(asyncio.Protocol):
         self._ack_delay = ACK_POLL_FIRST
         if self._ack_poll is not None:
             self._ack_poll.cancel()
-        self._check_acks()
+            self._ack_poll = None
+        if len(unacked) == 1 and not self.transport.get_write_buffer_size() and not unsent_bytes(self.fd):
+            # The common case, _check_acks' first look inline: one reply, all of it gone to the client.
+            _, c = unacked.popleft()
+            c.t_handed = c.t_acked = monotonic_ns()
+            c.pipeline.completed(c)
+        else:
+            self._check_acks()
         if self.closing:
             if not q:
                 self._close_after_replies()

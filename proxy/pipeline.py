@@ -357,6 +357,9 @@ class Pipeline:
                 # The client's own headers fill the block: ours (deadline, trace context) do not
                 # fit, so the request goes on with the client's headers only.
                 log.info("call %s: THeader headers full, sent without the proxy's", call.msg.name)
+        msg = call.msg
+        if framing is msg.framing and msg.header is None and not call.route.strip_service:
+            return msg.data  # the common case: it goes out as it came in
         if call._req_framing is framing:  # a retry to the same framing: made already
             return call._req_data
         limit = call.conn.max_frame_size  # (a zlib THeader payload inflates up to it, no further)
@@ -390,7 +393,13 @@ class Pipeline:
             attempt.outcome = outcome
             call.result_field = field
             call.outcome = outcome
-            self.finish(call, reply.data)
+            if call.upload is None:  # (finish, with the write first: the deadline and limit after)
+                call.t_done = monotonic_ns()
+                call.reply = reply.data
+                call.conn.call_done(call)
+                self._release_call(call)
+            else:
+                self.finish(call, reply.data)
             self._end_attempt(attempt, outcome)
             if call.t_acked:
                 # Recorded already (the client's kernel took the reply at once): nothing calls
