@@ -462,17 +462,22 @@ class ClientConnection(asyncio.Protocol):
         if self._ack_poll is not None:
             self._ack_poll.cancel()
             self._ack_poll = None
-        if self._unacked:
-            try:
-                self._check_acks()  # what it acknowledged before closing
-            except OSError:
-                pass
-            if self._ack_poll is not None:
-                self._ack_poll.cancel()
-                self._ack_poll = None
         now = monotonic_ns()
-        while self._unacked:  # the client is gone: nothing more will be acknowledged
-            _, call = self._unacked.popleft()
+        if exc is not None or self._closed_why is not None:
+            # The connection broke (a reset, a failed write) or the proxy cut it (a write
+            # stall): replies not yet seen leaving our send queue never reached the client.
+            why = self._closed_why or f"the client's connection broke before it took the reply ({exc})"
+            while self._unacked:
+                _, call = self._unacked.popleft()
+                call.t_acked = now  # (when we learned: write_response lasted at least this)
+                call.never_read = True
+                call.error_type = "not_delivered"
+                call.error = f"not delivered: {why}"
+                call.pipeline.completed(call)
+            return
+        while self._unacked:  # closed: the kernel took every byte written (nothing is unacknowledged
+            _, call = self._unacked.popleft()  # for long on a clean close), so they were delivered
+            call.t_handed = call.t_handed or now
             call.t_acked = now
             call.pipeline.completed(call)
 
@@ -652,7 +657,9 @@ class ClientConnection(asyncio.Protocol):
         if self._ack_poll is not None:
             self._ack_poll.cancel()
             self._ack_poll = None
-        if len(unacked) == 1 and not self.transport.get_write_buffer_size() and not unsent_bytes(self.fd):
+        t = self.transport
+        if (len(unacked) == 1 and not t.get_write_buffer_size() and not unsent_bytes(self.fd)
+                and not t.is_closing()):  # (closing: the write failed, the client is gone)
             # The common case, _check_acks' first look inline: one reply, all of it gone to the client.
             _, c = unacked.popleft()
             c.t_handed = c.t_acked = monotonic_ns()
@@ -698,8 +705,8 @@ class ClientConnection(asyncio.Protocol):
         self._ack_poll = None
         t = self.transport
         unacked = self._unacked
-        if t is None or not unacked:
-            return
+        if t is None or not unacked or t.is_closing():
+            return  # (closing: what is unacknowledged now is connection_lost's to record)
         now = monotonic_ns()
         buffered = t.get_write_buffer_size()
         handed = self.bytes_out - buffered

@@ -165,3 +165,29 @@ def test_calls_behind_a_broken_stream_are_not_delivered_not_client_gone():
         assert c.attrs[spans.ERROR_TYPE] == "not_delivered", c.attrs
         assert "an earlier call's streamed reply broke" in c.server.status.description
     assert stats["client_gone"] == 0
+
+
+@pytest.mark.parametrize("reply", ["small", "large"])
+def test_a_reply_to_a_client_that_half_closed_then_vanished_is_not_delivered(reply):
+    """A client sends a slow call, half-closes (FIN: it is still answered), then resets before
+    the reply. Writing the reply fails: the call is recorded as not delivered (traced as failed),
+    not as a success the client never got. Before: delivered, and no trace kept."""
+    up = ThriftServer()
+    try:
+        with Traced(_cfg(up.address), ratio=0.0) as t:
+            s = socket.create_connection(("127.0.0.1", t.port()))
+            if reply == "small":
+                s.sendall(request_bytes("framed", "binary", "sleep", 300, seqid=7))
+            else:  # (500 users: a ~90 KB reply, more than one write's worth)
+                s.sendall(request_bytes("framed", "binary", "get_users", 500, 300, seqid=7))
+            s.shutdown(socket.SHUT_WR)
+            time.sleep(0.1)  # the proxy saw the FIN and goes on with the call
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            s.close()  # RST: the reply, when it comes, has nowhere to go
+            (call,) = t.wait_calls(1, timeout=10.0)
+            stats = t.proxy.server.listeners["test"].pipeline.stats
+    finally:
+        up.stop()
+    assert call.attrs[spans.ERROR_TYPE] == "not_delivered", call.attrs
+    assert "the client's connection broke before it took the reply" in call.server.status.description
+    assert stats["client_gone"] == 0
