@@ -44,7 +44,7 @@ from proxy.codec import (AppErrorType, Message, MessageType, Protocol, ProtocolE
                          reframe)
 from proxy.codec.wire import F_FRAMED_HEADER, F_HEADER, M_CALL, M_EXCEPTION, M_ONEWAY
 from proxy.retry import RetryPolicy
-from proxy.upstream import UpstreamError
+from proxy.upstream import SENT_WATCH_MIN, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +192,7 @@ class Pipeline:
             if last:
                 conn.upload = None
                 a.t_written = monotonic_ns()
+                conn.watch_sent(a, up.size)
                 up.hold(False)  # the upstream still has to take it all; the client may go on
         elif a is not None and not a.ended and call.reply is None and not call.cancelled:
             up.held.append(bytes(data))  # no connection yet
@@ -317,6 +318,8 @@ class Pipeline:
         call.written = True
         conn.exchange(None if call.oneway else attempt, data)
         attempt.t_written = monotonic_ns()
+        if len(data) >= SENT_WATCH_MIN and not call.oneway:
+            conn.watch_sent(attempt, len(data))
         if call.oneway:
             attempt.endpoint.outstanding -= 1
             self.stats["oneway"] += 1
@@ -339,6 +342,7 @@ class Pipeline:
         conn.exchange(attempt, held[0] if len(held) == 1 else b"".join(held))
         if up.done:
             attempt.t_written = monotonic_ns()
+            conn.watch_sent(attempt, up.size)
 
     def _request_bytes(self, call: Call, attempt: Attempt, framing) -> bytes:
         """The request as this upstream wants it: re-framed, renamed, with THeader headers added."""

@@ -36,10 +36,13 @@ from proxy.codec.heads import peek_result_field, read_head
 from proxy.codec.stream import UnframedStream
 from proxy.codec.theader import parse_header_block
 from proxy import splice
-from proxy.sockets import set_nodelay, unread_bytes
+from proxy.sockets import set_nodelay, unread_bytes, unsent_bytes
 
 _I32 = struct.Struct("!i")
 PROBE_MAX = 64 * 1024  # bytes gathered to read a large reply's head before deciding to stream it
+SENT_WATCH_MIN = 64 * 1024  # requests this large are watched until the upstream's kernel has them
+SENT_POLL_FIRST = 0.001     # s, then doubling up to SENT_POLL_MAX
+SENT_POLL_MAX = 0.01
 
 
 class StreamHead:
@@ -155,7 +158,7 @@ def _bare(name: str) -> str:
 class UpstreamConnection(asyncio.Protocol):
     __slots__ = ("pool", "transport", "decoder", "exchange_", "idle_since", "closed", "label", "framing",
                  "protocol", "max_reply_size", "stream_threshold", "_probe", "_stream_left", "_may_stream", "_tail",
-                 "paused", "upload", "owned", "_splice", "_write_full", "_held_oneway")
+                 "paused", "upload", "owned", "_splice", "_write_full", "_held_oneway", "fd", "_sent_poll")
 
     def __init__(self, pool, framing: Framing, protocol: Protocol, max_reply_size: int,
                  stream_threshold: int = 0) -> None:
@@ -182,12 +185,17 @@ class UpstreamConnection(asyncio.Protocol):
         self._write_full = False           # the transport's buffer is over its high-water mark
         self._held_oneway = False          # kept from the pool until the upstream takes a oneway's bytes
         self._splice: splice.Splice | None = None  # moving the rest of a streaming reply (transport paused)
+        self.fd = -1                       # the socket's (for the send queue: watch_sent)
+        self._sent_poll = None             # the timer of watch_sent, while it looks
 
     # -- asyncio.Protocol -----------------------------------------------------
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-        set_nodelay(transport.get_extra_info("socket"))
+        sock = transport.get_extra_info("socket")
+        set_nodelay(sock)
+        if sock is not None:
+            self.fd = sock.fileno()
 
     def data_received(self, data: bytes) -> None:
         ex = self.exchange_
@@ -485,6 +493,29 @@ class UpstreamConnection(asyncio.Protocol):
                 self._held_oneway = True
             else:
                 self.pool.release(self)
+
+    def watch_sent(self, ex: Exchange, size: int) -> None:
+        """`ex`'s request was handed over whole (`ex.t_written`): for a large one, move
+        `t_written` on while the upstream has not taken it all, so that an upstream slow to read
+        a large request shows in `write_upstream`, not in `service_time`. "Taken" is as for
+        replies (proxy.listener): nothing left in the transport's buffer or unsent in the send
+        queue (SIOCOUTQNSD); looked at with growing intervals, until the first reply byte."""
+        if self._sent_poll is not None:  # (a stale look, the exchange before this one's)
+            self._sent_poll.cancel()
+            self._sent_poll = None
+        if size < SENT_WATCH_MIN or self.fd < 0:
+            return
+        if self.transport.get_write_buffer_size() or unsent_bytes(self.fd):
+            self._sent_poll = self.pool.loop.call_later(SENT_POLL_FIRST, self._sent_look, ex, SENT_POLL_FIRST)
+
+    def _sent_look(self, ex: Exchange, delay: float) -> None:
+        self._sent_poll = None
+        if self.exchange_ is not ex or self.closed or ex.t_first_reply:
+            return  # (answered, gone, or replying: its write is over as far as it can be seen)
+        ex.t_written = monotonic_ns()  # still writing until now at least (or just done)
+        if self.transport.get_write_buffer_size() or unsent_bytes(self.fd):
+            delay = min(delay * 2, SENT_POLL_MAX)
+            self._sent_poll = self.pool.loop.call_later(delay, self._sent_look, ex, delay)
 
     def abandon(self) -> None:
         """The attempt gave up (timeout, client gone): a late reply must never be read as another's."""

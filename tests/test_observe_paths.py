@@ -6,6 +6,7 @@ through the spans they become (an in-memory exporter, tests/spans_util.Traced)."
 from __future__ import annotations
 
 import socket
+import struct
 import time
 
 from thrift.Thrift import TApplicationException
@@ -191,3 +192,37 @@ def test_a_reply_to_a_client_that_half_closed_then_vanished_is_not_delivered(rep
     assert call.attrs[spans.ERROR_TYPE] == "not_delivered", call.attrs
     assert "the client's connection broke before it took the reply" in call.server.status.description
     assert stats["client_gone"] == 0
+
+
+def test_an_upstream_slow_to_take_a_large_request_shows_in_write_upstream():
+    """A 900 KB request (read whole: under retry_buffer) to an upstream that reads nothing for
+    0.5 s, then reads it and replies at once. The time the upstream took to take the request is
+    write_upstream's, not the service's. Before: write_upstream ended when the transport was
+    handed the bytes (~1 ms) and service_time took the 0.5 s."""
+    from harness import RawUpstream, reply_bytes
+
+    class SlowReader(RawUpstream):
+        def _one(self, c: socket.socket) -> None:
+            with c:
+                time.sleep(0.5)
+                (n,) = struct.unpack("!i", c.recv(4, socket.MSG_WAITALL))
+                req = c.recv(n, socket.MSG_WAITALL)
+                (nlen,) = struct.unpack_from("!i", req, 4)
+                (seqid,) = struct.unpack_from("!i", req, 8 + nlen)
+                c.sendall(reply_bytes(req[8:8 + nlen], seqid))
+                c.recv(1)
+
+    up = SlowReader()
+    try:
+        with Traced(_cfg(up.address), ratio=1.0) as t:
+            with socket.create_connection(("127.0.0.1", t.port())) as s:
+                s.sendall(request_bytes("framed", "binary", "echo", b"x" * 900_000, seqid=5))
+                s.settimeout(10)
+                assert s.recv(1 << 16)
+            (call,) = t.wait_calls(1, timeout=10.0)
+    finally:
+        up.close()
+    write = call.hop_ms("write_upstream")
+    service = call.hop_ms("service_time")
+    assert write >= 350, (write, service)
+    assert service < 150, (write, service)
