@@ -151,7 +151,7 @@ class Attempt(Exchange):
     """One try of a call on one endpoint: acquire → write → reply."""
 
     __slots__ = ("call", "endpoint", "pool", "upconn", "waiter", "seqid", "name", "number", "timer",
-                 "t_acquire", "t_acquired", "t_written", "t_first_reply", "t_reply", "outcome",
+                 "t_acquire", "t_acquired", "t_written", "t_handoff", "t_first_reply", "t_reply", "outcome",
                  "error", "retry_reason", "breaker_state", "reply_size", "span_id", "probe",
                  "pending", "is_retry", "ended")
 
@@ -168,6 +168,8 @@ class Attempt(Exchange):
         self.t_acquire = t_acquire
         self.t_acquired = 0
         self.t_written = 0
+        self.t_handoff = 0                  # the request handed over whole, when a large one's t_written
+                                            # waits for the upstream to take it (watch_sent); peak_ewma's start
         self.t_first_reply = 0
         self.t_reply = 0
         self.outcome: str | None = None

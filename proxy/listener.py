@@ -462,22 +462,17 @@ class ClientConnection(asyncio.Protocol):
         if self._ack_poll is not None:
             self._ack_poll.cancel()
             self._ack_poll = None
+        if self._unacked:
+            try:
+                self._check_acks()  # what it acknowledged before closing
+            except OSError:
+                pass
+            if self._ack_poll is not None:
+                self._ack_poll.cancel()
+                self._ack_poll = None
         now = monotonic_ns()
-        if exc is not None or self._closed_why is not None:
-            # The connection broke (a reset, a failed write) or the proxy cut it (a write
-            # stall): replies not yet seen leaving our send queue never reached the client.
-            why = self._closed_why or f"the client's connection broke before it took the reply ({exc})"
-            while self._unacked:
-                _, call = self._unacked.popleft()
-                call.t_acked = now  # (when we learned: write_response lasted at least this)
-                call.never_read = True
-                call.error_type = "not_delivered"
-                call.error = f"not delivered: {why}"
-                call.pipeline.completed(call)
-            return
-        while self._unacked:  # closed: the kernel took every byte written (nothing is unacknowledged
-            _, call = self._unacked.popleft()  # for long on a clean close), so they were delivered
-            call.t_handed = call.t_handed or now
+        while self._unacked:  # the client is gone: nothing more will be acknowledged
+            _, call = self._unacked.popleft()
             call.t_acked = now
             call.pipeline.completed(call)
 
@@ -643,8 +638,10 @@ class ClientConnection(asyncio.Protocol):
                 return
             call.waited = True
             return  # an earlier call is still open: this reply waits its turn (the `queued` hop)
-        write = self.transport.write
+        t = self.transport
+        write = t.write
         unacked = self._unacked
+        n = 0
         while q and q[0].reply is not None:
             c = q.popleft()
             c.t_write = monotonic_ns()
@@ -653,13 +650,14 @@ class ClientConnection(asyncio.Protocol):
             self.bytes_out += len(data)
             c.reply_size = len(data)
             unacked.append((self.bytes_out, c))
+            n += 1
         self._ack_delay = ACK_POLL_FIRST
         if self._ack_poll is not None:
             self._ack_poll.cancel()
             self._ack_poll = None
-        t = self.transport
-        if (len(unacked) == 1 and not t.get_write_buffer_size() and not unsent_bytes(self.fd)
-                and not t.is_closing()):  # (closing: the write failed, the client is gone)
+        if t.is_closing():
+            self._write_failed(n)
+        elif len(unacked) == 1 and not t.get_write_buffer_size() and not unsent_bytes(self.fd):
             # The common case, _check_acks' first look inline: one reply, all of it gone to the client.
             _, c = unacked.popleft()
             c.t_handed = c.t_acked = monotonic_ns()
@@ -672,6 +670,16 @@ class ClientConnection(asyncio.Protocol):
             return
         if self.paused_reading:
             self._maybe_resume()
+
+    def _write_failed(self, n: int) -> None:
+        """The transport closed as the last `n` replies were written to it: the write failed
+        (the client reset, even after a half-close that still gets it answered), so those
+        replies never reached the client. They are recorded as not delivered (traced as failed)
+        when connection_lost, which follows, completes them; not as replies it took."""
+        for _, c in list(self._unacked)[-n:] if n else ():
+            c.never_read = True
+            c.error_type = "not_delivered"
+            c.error = "not delivered: the client's connection broke before it took the reply (the write failed)"
 
     def _maybe_resume(self) -> None:
         if (self.paused_reading and not self.paused_writing and not self.closing and not self._upload_held
@@ -705,8 +713,8 @@ class ClientConnection(asyncio.Protocol):
         self._ack_poll = None
         t = self.transport
         unacked = self._unacked
-        if t is None or not unacked or t.is_closing():
-            return  # (closing: what is unacknowledged now is connection_lost's to record)
+        if t is None or not unacked:
+            return
         now = monotonic_ns()
         buffered = t.get_write_buffer_size()
         handed = self.bytes_out - buffered

@@ -506,6 +506,7 @@ class UpstreamConnection(asyncio.Protocol):
         if size < SENT_WATCH_MIN or self.fd < 0:
             return
         if self.transport.get_write_buffer_size() or unsent_bytes(self.fd):
+            ex.t_handoff = ex.t_written  # (the endpoint's latency, peak_ewma's, still counts from here)
             self._sent_poll = self.pool.loop.call_later(SENT_POLL_FIRST, self._sent_look, ex, SENT_POLL_FIRST)
 
     def _sent_look(self, ex: Exchange, delay: float) -> None:

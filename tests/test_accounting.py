@@ -277,3 +277,25 @@ clusters:
         assert _state(p)["endpoints"][0][3] == [(1, 0)]  # the holder's connection, no one waiting
         holder.close()
     up.close()
+
+
+def test_a_held_request_started_by_a_reply_finds_the_replys_max_requests_slot_free():
+    """max_requests 1, max_inflight 1, two pipelined pings: the second is held until the first
+    is answered, and writing that reply starts it. The first call's slot must be free by then
+    (a review found an early version of a hot-path change released it after the write: the
+    second ping failed with "max_requests 1 calls in flight")."""
+    up = ThriftServer()
+    try:
+        with Proxy(_config(up.address, cluster="\n    limits: {max_requests: 1}")) as p:
+            state = p.server.listeners["test"]
+            object.__setattr__(state.settings, "max_inflight", 1)
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(request_bytes("framed", "binary", "ping", seqid=1)
+                          + request_bytes("framed", "binary", "ping", seqid=2))
+                s.settimeout(5)
+                replies = read_messages(s, 2)
+            stats = state.pipeline.stats
+    finally:
+        up.stop()
+    assert [m.type for m in replies] == [2, 2], replies
+    assert stats["limit_rejections"] == 0

@@ -226,3 +226,71 @@ def test_an_upstream_slow_to_take_a_large_request_shows_in_write_upstream():
     service = call.hop_ms("service_time")
     assert write >= 350, (write, service)
     assert service < 150, (write, service)
+
+
+def test_a_half_closed_client_that_never_reads_is_still_recorded(monkeypatch):
+    """A client half-closes (FIN) after its request and never reads a ~4 MB reply: the proxy
+    closes after the reply (linger), the transport never drains, so connection_lost never comes.
+    The ack look still reaches the cap and records the call as never read (a review found an
+    early version of the not-delivered change stopped looking at a closing transport)."""
+    import proxy.listener
+
+    monkeypatch.setattr(proxy.listener, "ACK_CAP_NS", 3_000_000_000)
+    up = ThriftServer()
+    try:
+        with Traced(_cfg(up.address, cluster="\n    stream_threshold: 0"), ratio=1.0) as t:
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", t.port()))
+            with s:
+                s.sendall(request_bytes("framed", "binary", "get_users", 30000, 0, seqid=3))
+                s.shutdown(socket.SHUT_WR)
+                calls = t.wait_calls(1, timeout=10.0)
+    finally:
+        up.stop()
+    assert len(calls) == 1, "the call was never recorded"
+    assert calls[0].hop("write_response").attributes[spans.CLIENT_NEVER_READ] is True
+
+
+@pytest.mark.parametrize("users", [5000, 20000] * 4)
+def test_a_reply_read_whole_before_a_reset_is_delivered(users):
+    """The client reads its whole reply, then resets, maybe before the proxy's next ack look:
+    the reply was delivered (the not-delivered rule is for replies whose write failed)."""
+    up = ThriftServer()
+    try:
+        with Traced(_cfg(up.address, cluster="\n    stream_threshold: 0"), ratio=1.0) as t:
+            s = socket.create_connection(("127.0.0.1", t.port()))
+            s.sendall(request_bytes("framed", "binary", "get_users", users, 0, seqid=3))
+            read_messages(s, 1)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            s.close()
+            (call,) = t.wait_calls(1, timeout=10.0)
+    finally:
+        up.stop()
+    assert call.attrs.get(spans.ERROR_TYPE) is None, call.server.status.description
+
+
+def test_peak_ewma_still_sees_a_hung_upstream_that_never_takes_a_large_request():
+    """write_upstream waits for the upstream to take a large request, but the endpoint's
+    latency estimate (peak_ewma) still counts from the handover: an upstream that never reads a
+    900 KB request and times out is observed at the timeout, not at the last look (~10 ms)."""
+    from harness import RawUpstream
+
+    class Hung(RawUpstream):
+        def _one(self, c: socket.socket) -> None:
+            time.sleep(3)
+
+    up = Hung()
+    try:
+        text = _cfg(up.address, route="\n        timeout: 500ms", cluster="\n    load_balancer: peak_ewma")
+        with Traced(text, ratio=1.0) as t:
+            with socket.create_connection(("127.0.0.1", t.port())) as s:
+                s.sendall(request_bytes("framed", "binary", "echo", b"x" * 900_000, seqid=5))
+                s.settimeout(10)
+                assert s.recv(1 << 16)
+            (call,) = t.wait_calls(1, timeout=10.0)
+            ewma = t.proxy.server.clusters["up"].endpoints[0].ewma.value
+    finally:
+        up.close()
+    assert call.hop_ms("write_upstream") >= 400  # (it never took the request)
+    assert ewma >= 0.4, ewma
