@@ -32,7 +32,7 @@ from proxy.codec import AppErrorType
 from proxy.codec.message import Message
 from proxy.codec.wire import F_BUFFERED, F_FRAMED, M_CALL, M_ONEWAY
 from proxy import splice
-from proxy.calls import NOT_SENT, TIMEOUT, Call, Upload
+from proxy.calls import BAD_REQUEST, NOT_SENT, TIMEOUT, Call, Upload
 from proxy.pipeline import PREFIX
 from proxy.sockets import set_nodelay, unsent_bytes
 
@@ -779,7 +779,12 @@ class ClientConnection(asyncio.Protocol):
             head = Head("", MessageType.CALL, 0, dec.framing, dec.protocol)
         log.info("client %s on listener %s: %s", self.peer, self.state.settings.name, e.message)
         if head is not None and head.type != MessageType.ONEWAY and not self._oneway_name(head.name):
-            err = Call(self, None, self.t_first, monotonic_ns(), self.state.pipeline)
+            # Its head, when it could be read (e.g. a frame over max_frame_size), names the call in
+            # metrics and spans as in the client's answer: method and seqid, not `_INVALID`.
+            msg = (Message(head.name, head.type, head.seqid, head.framing, head.protocol, b"", 0, None, b"", 0)
+                   if head.name else None)
+            err = Call(self, msg, self.t_first, monotonic_ns(), self.state.pipeline)
+            err.outcome = BAD_REQUEST
             err.error = e.message
             err.reply = exception_reply(head, e.app_type, PREFIX + e.message)
             self.queue.append(err)

@@ -300,7 +300,8 @@ class Telemetry:
             a[spans.PEER_PORT] = int(peer[1])
         if msg is not None:
             a[spans.SEQID] = msg.seqid
-            a[spans.REQUEST_SIZE] = call.request_size
+            if call.request_size:  # (0: a refused request, only its head read)
+                a[spans.REQUEST_SIZE] = call.request_size
         reply = call.reply
         reply_size = call.reply_size or (len(reply) if reply is not None else 0)
         if reply_size:

@@ -294,3 +294,24 @@ def test_peak_ewma_still_sees_a_hung_upstream_that_never_takes_a_large_request()
         up.close()
     assert call.hop_ms("write_upstream") >= 400  # (it never took the request)
     assert ewma >= 0.4, ewma
+
+
+def test_a_request_refused_by_max_frame_size_is_named_by_its_head():
+    """A 2 MB request to a listener with max_frame_size 1 MiB is refused from its head: the
+    client hears its own method and seqid, and the span says the same (before: `_INVALID`, no
+    seqid, and a request size of 0)."""
+    up = ThriftServer()
+    try:
+        with Traced(_cfg(up.address, "\n    max_frame_size: 1MiB"), ratio=1.0) as t:
+            with socket.create_connection(("127.0.0.1", t.port())) as s:
+                s.sendall(request_bytes("framed", "binary", "echo", b"x" * 2_000_000, seqid=42)[:70_000])
+                (reply,) = read_messages(s, 1)
+            (call,) = t.wait_calls(1, timeout=10.0)
+    finally:
+        up.stop()
+    assert (reply.name, reply.seqid, reply.type) == ("echo", 42, 3)
+    assert call.attrs[spans.RPC_METHOD] == "echo"
+    assert call.attrs[spans.SEQID] == 42
+    assert call.attrs[spans.OUTCOME] == "bad_request"
+    assert spans.REQUEST_SIZE not in call.attrs
+    assert "exceeds max_frame_size" in call.server.status.description
