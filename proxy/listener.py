@@ -34,7 +34,7 @@ from proxy.codec.wire import F_BUFFERED, F_FRAMED, M_CALL, M_ONEWAY
 from proxy import splice
 from proxy.calls import BAD_REQUEST, NOT_SENT, TIMEOUT, Call, Upload
 from proxy.pipeline import PREFIX
-from proxy.sockets import set_nodelay, unsent_bytes
+from proxy.sockets import sent_bytes, set_nodelay, unsent_bytes
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,13 @@ class ListenerState:
 
     def protocol_factory(self) -> "ClientConnection":
         return ClientConnection(self)
+
+
+def _not_delivered(call: Call, why: str) -> None:
+    """A written reply that never reached the client: recorded (and traced) as failed."""
+    call.never_read = True
+    call.error_type = "not_delivered"
+    call.error = f"not delivered: {why}"
 
 
 class ClientConnection(asyncio.Protocol):
@@ -462,6 +469,8 @@ class ClientConnection(asyncio.Protocol):
         if self._ack_poll is not None:
             self._ack_poll.cancel()
             self._ack_poll = None
+        if self._unacked and (exc is not None or self._closed_why is not None):
+            self._lost_with_replies_out(exc)
         if self._unacked:
             try:
                 self._check_acks()  # what it acknowledged before closing
@@ -474,6 +483,27 @@ class ClientConnection(asyncio.Protocol):
         while self._unacked:  # the client is gone: nothing more will be acknowledged
             _, call = self._unacked.popleft()
             call.t_acked = now
+            call.pipeline.completed(call)
+
+    def _lost_with_replies_out(self, exc) -> None:
+        """The connection broke (a reset) or the proxy cut it (a write stall) with replies not yet
+        seen leaving the send queue. The socket's count of bytes that left it (TCP_INFO, still
+        readable here) says which of them did: replies past it never reached the client and are
+        recorded as not delivered, not as delivered because the connection ended. (When it
+        cannot be read, they are recorded as before.)"""
+        sent = sent_bytes(self.fd)
+        if sent is None:
+            return
+        why = self._closed_why or f"the client's connection broke before it took the reply ({exc})"
+        now = monotonic_ns()
+        unacked = self._unacked
+        while unacked:
+            end, call = unacked.popleft()
+            call.t_acked = now  # (when we learned: write_response lasted at least this)
+            if end <= sent:
+                call.t_handed = call.t_handed or now
+            elif not call.never_read:
+                _not_delivered(call, why)
             call.pipeline.completed(call)
 
     def pause_writing(self) -> None:
@@ -677,9 +707,7 @@ class ClientConnection(asyncio.Protocol):
         replies never reached the client. They are recorded as not delivered (traced as failed)
         when connection_lost, which follows, completes them; not as replies it took."""
         for _, c in list(self._unacked)[-n:] if n else ():
-            c.never_read = True
-            c.error_type = "not_delivered"
-            c.error = "not delivered: the client's connection broke before it took the reply (the write failed)"
+            _not_delivered(c, "the client's connection broke before it took the reply (the write failed)")
 
     def _maybe_resume(self) -> None:
         if (self.paused_reading and not self.paused_writing and not self.closing and not self._upload_held

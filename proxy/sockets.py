@@ -12,6 +12,7 @@ from array import array
 import logging
 import resource
 import socket
+import struct
 import termios
 
 from proxy.codec.twins import load, pure_forced
@@ -79,6 +80,36 @@ def pure_unread_bytes(fd: int) -> int:
     except (OSError, ValueError):
         return 0
     return _IN[0]
+
+
+_TCPI_BYTES_SENT = struct.Struct("=QQ")  # struct tcp_info's tcpi_bytes_sent, tcpi_bytes_retrans (Linux >= 4.19)
+_TCPI_BYTES_SENT_AT = 200
+
+
+def sent_bytes(fd: int) -> int | None:
+    """Bytes written to a TCP socket that left its send queue for the peer, counted from the
+    connection's start (TCP_INFO: tcpi_bytes_sent less tcpi_bytes_retrans): the same "nothing
+    unsent" as `unsent_bytes`, as an offset in the stream, still valid after a reset (the
+    socket's counters stay until it is closed). Not tcpi_bytes_acked: a client that read
+    everything may reset before its delayed ACK goes out. None when it cannot be read (not
+    Linux, an older kernel, a closed fd). Not per call: it builds a socket object around the fd
+    (not owned: detached again)."""
+    if fd < 0 or not hasattr(socket, "TCP_INFO"):
+        return None
+    try:
+        s = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    except OSError:
+        return None
+    finally:
+        s.detach()
+    if len(info) < _TCPI_BYTES_SENT_AT + _TCPI_BYTES_SENT.size:
+        return None
+    sent, retransmitted = _TCPI_BYTES_SENT.unpack_from(info, _TCPI_BYTES_SENT_AT)
+    return max(sent - retransmitted, 0)
 
 
 _sockq = None if pure_forced() else load("proxy._sockq")

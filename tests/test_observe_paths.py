@@ -315,3 +315,46 @@ def test_a_request_refused_by_max_frame_size_is_named_by_its_head():
     assert call.attrs[spans.OUTCOME] == "bad_request"
     assert spans.REQUEST_SIZE not in call.attrs
     assert "exceeds max_frame_size" in call.server.status.description
+
+
+def test_a_reply_stuck_unsent_when_the_client_resets_is_not_delivered():
+    """A ~4 MB reply to a client that reads nothing (4 KB receive buffer), then resets: the
+    reset empties the proxy's send queue, so "nothing unsent" would say delivered. What the
+    client's kernel acknowledged (TCP_INFO) says it never got the reply. Before: a success."""
+    up = ThriftServer()
+    try:
+        with Traced(_cfg(up.address, cluster="\n    stream_threshold: 0"), ratio=1.0) as t:
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", t.port()))
+            s.sendall(request_bytes("framed", "binary", "get_users", 30000, 0, seqid=3))
+            time.sleep(0.5)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            s.close()
+            (call,) = t.wait_calls(1, timeout=10.0)
+    finally:
+        up.stop()
+    assert call.attrs[spans.ERROR_TYPE] == "not_delivered", call.attrs
+    assert "connection broke before it took the reply" in call.server.status.description
+
+
+def test_a_reply_cut_by_a_write_stall_is_not_delivered():
+    """A client that never reads a ~4 MB reply is closed as a write stall (request_read_timeout
+    1 s): its reply is recorded as not delivered, with the stall as the reason. Before: a
+    success whose write_response lasted the stall."""
+    up = ThriftServer()
+    try:
+        text = _cfg(up.address, "\n    request_read_timeout: 1s", cluster="\n    stream_threshold: 0")
+        with Traced(text, ratio=1.0) as t:
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", t.port()))
+            with s:
+                s.sendall(request_bytes("framed", "binary", "get_users", 30000, 0, seqid=3))
+                (call,) = t.wait_calls(1, timeout=15.0)
+            stats = t.proxy.server.listeners["test"].stats
+    finally:
+        up.stop()
+    assert stats["write_stalls"] == 1
+    assert call.attrs[spans.ERROR_TYPE] == "not_delivered", call.attrs
+    assert "write stall" in call.server.status.description

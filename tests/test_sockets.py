@@ -88,3 +88,38 @@ def test_twins_agree_on_fds_that_are_not_tcp_sockets():
         os.close(r)
         os.close(w)
         udp.close()
+
+
+def test_sent_bytes_counts_what_left_the_send_queue_and_survives_a_reset():
+    lsock = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(lsock.getsockname())
+    b, _ = lsock.accept()
+    lsock.close()
+    try:
+        if sockets.sent_bytes(a.fileno()) is None:
+            pytest.skip("TCP_INFO tcpi_bytes_sent not available (Linux >= 4.19)")
+        assert sockets.sent_bytes(a.fileno()) == 0
+        a.sendall(b"x" * 12345)
+        time.sleep(0.05)
+        assert sockets.sent_bytes(a.fileno()) == 12345
+        b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        a.setblocking(False)
+        written = 12345
+        try:
+            while True:
+                written += a.send(b"y" * 65536)
+        except BlockingIOError:
+            pass
+        time.sleep(0.05)
+        left = sockets.sent_bytes(a.fileno())
+        assert left + sockets.unsent_bytes(a.fileno()) == written  # the two views agree
+        b.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        b.close()
+        time.sleep(0.05)
+        with pytest.raises(OSError):
+            a.send(b"z")
+        assert sockets.sent_bytes(a.fileno()) == left  # the count of what left stays after a reset
+    finally:
+        a.close()
+        b.close()
+    assert sockets.sent_bytes(-1) is None
