@@ -183,6 +183,12 @@ class Attempt(Exchange):
         self.is_retry = number > 1          # counted in the cluster's max_retries
         self.ended = False                  # its outcome is recorded (exactly once)
 
+    @property
+    def t_sent(self) -> int:
+        """Where the endpoint's latency (peak_ewma) counts from: the request handed over whole,
+        even when write_upstream waits longer for a large one to be taken (`t_handoff`)."""
+        return self.t_handoff or self.t_written
+
     def __repr__(self) -> str:
         return f"<Attempt {self.number} of {self.call!r} on {self.endpoint.label} outcome={self.outcome}>"
 

@@ -75,13 +75,6 @@ class ListenerState:
         return ClientConnection(self)
 
 
-def _not_delivered(call: Call, why: str) -> None:
-    """A written reply that never reached the client: recorded (and traced) as failed."""
-    call.never_read = True
-    call.error_type = "not_delivered"
-    call.error = f"not delivered: {why}"
-
-
 class ClientConnection(asyncio.Protocol):
     __slots__ = ("state", "transport", "decoder", "queue", "peer", "t_first",
                  "closing", "paused_reading", "paused_writing", "_read_timer", "_idle_timer",
@@ -502,8 +495,10 @@ class ClientConnection(asyncio.Protocol):
             call.t_acked = now  # (when we learned: write_response lasted at least this)
             if end <= sent:
                 call.t_handed = call.t_handed or now
-            elif not call.never_read:
-                _not_delivered(call, why)
+            else:  # never reached the client: recorded (and traced) as failed
+                call.never_read = True
+                call.error_type = "not_delivered"
+                call.error = f"not delivered: {why}"
             call.pipeline.completed(call)
 
     def pause_writing(self) -> None:
@@ -671,7 +666,6 @@ class ClientConnection(asyncio.Protocol):
         t = self.transport
         write = t.write
         unacked = self._unacked
-        n = 0
         while q and q[0].reply is not None:
             c = q.popleft()
             c.t_write = monotonic_ns()
@@ -680,13 +674,14 @@ class ClientConnection(asyncio.Protocol):
             self.bytes_out += len(data)
             c.reply_size = len(data)
             unacked.append((self.bytes_out, c))
-            n += 1
         self._ack_delay = ACK_POLL_FIRST
         if self._ack_poll is not None:
             self._ack_poll.cancel()
             self._ack_poll = None
         if t.is_closing():
-            self._write_failed(n)
+            # The write failed (the client is gone): connection_lost, which follows, records these
+            # replies by what left the socket (_lost_with_replies_out), not this look.
+            self._ack_poll = self.state.loop.call_later(ACK_POLL_FIRST, self._check_acks)
         elif len(unacked) == 1 and not t.get_write_buffer_size() and not unsent_bytes(self.fd):
             # The common case, _check_acks' first look inline: one reply, all of it gone to the client.
             _, c = unacked.popleft()
@@ -700,14 +695,6 @@ class ClientConnection(asyncio.Protocol):
             return
         if self.paused_reading:
             self._maybe_resume()
-
-    def _write_failed(self, n: int) -> None:
-        """The transport closed as the last `n` replies were written to it: the write failed
-        (the client reset, even after a half-close that still gets it answered), so those
-        replies never reached the client. They are recorded as not delivered (traced as failed)
-        when connection_lost, which follows, completes them; not as replies it took."""
-        for _, c in list(self._unacked)[-n:] if n else ():
-            _not_delivered(c, "the client's connection broke before it took the reply (the write failed)")
 
     def _maybe_resume(self) -> None:
         if (self.paused_reading and not self.paused_writing and not self.closing and not self._upload_held

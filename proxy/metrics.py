@@ -75,7 +75,7 @@ _BACKOFF = _HOP_INDEX[spans.BACKOFF]
 _QUEUED = _HOP_INDEX[spans.QUEUED]
 _WRITE_RESPONSE = _HOP_INDEX[spans.WRITE_RESPONSE]
 
-OK_OUTCOMES = frozenset((SUCCESS, DECLARED_EXCEPTION))
+_OK_OUTCOMES = frozenset((SUCCESS, DECLARED_EXCEPTION))
 
 
 def _compiled():
@@ -114,7 +114,7 @@ def is_failure(call, outcome: str | None = None) -> bool:
     if call.error is not None or call.never_read:
         return True
     # call.outcome first: call_outcome's own first answer, without the call (a plain success)
-    return (outcome or call.outcome or call_outcome(call)) not in OK_OUTCOMES
+    return (outcome or call.outcome or call_outcome(call)) not in _OK_OUTCOMES
 
 
 def call_end(call) -> int:

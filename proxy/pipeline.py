@@ -378,7 +378,7 @@ class Pipeline:
     def attempt_replied(self, attempt: Attempt, reply: Message) -> None:
         self._off_connection(attempt)
         if attempt.call.cluster.tracks_latency and attempt.t_written:  # only peak_ewma reads it
-            attempt.endpoint.ewma.observe((attempt.t_reply - (attempt.t_handoff or attempt.t_written)) / 1e9)
+            attempt.endpoint.ewma.observe((attempt.t_reply - attempt.t_sent) / 1e9)
         attempt.reply_size = len(reply.data)
         call = attempt.call
         field = None
@@ -456,7 +456,7 @@ class Pipeline:
     def stream_end(self, attempt: Attempt) -> None:
         self._off_connection(attempt)
         if attempt.call.cluster.tracks_latency and attempt.t_written:  # only peak_ewma reads it
-            attempt.endpoint.ewma.observe((attempt.t_first_reply - (attempt.t_handoff or attempt.t_written)) / 1e9)
+            attempt.endpoint.ewma.observe((attempt.t_first_reply - attempt.t_sent) / 1e9)
         call = attempt.call
         attempt.reply_size = call.reply_size
         self._end_attempt(attempt, call.outcome)
@@ -509,8 +509,7 @@ class Pipeline:
             # and linkerd's do), or an endpoint that hangs now and then looks fast.
             call = attempt.call
             if call is not None and call.cluster.tracks_latency:
-                attempt.endpoint.ewma.observe(((attempt.t_reply or monotonic_ns())
-                                                - (attempt.t_handoff or attempt.t_written)) / 1e9)
+                attempt.endpoint.ewma.observe(((attempt.t_reply or monotonic_ns()) - attempt.t_sent) / 1e9)
         breaker = attempt.endpoint.breaker
         if breaker is not None:
             if outcome is calls.SUCCESS:

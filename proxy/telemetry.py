@@ -54,7 +54,7 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 from proxy import __version__, otlp, spans
 from proxy.calls import DECLARED_EXCEPTION, SUCCESS
 from proxy.exporter import ExportQueue, make_exporter
-from proxy.metrics import INVALID, OK_OUTCOMES, call_end, call_outcome, is_failure
+from proxy.metrics import INVALID, call_end, call_outcome, is_failure
 from proxy.tracecontext import TraceContext, inject, new_id, start
 
 __all__ = ["Telemetry", "HEAD", "SLOW", "FAILED", "QUEUED_MIN_NS", "DEFAULT_SLOW_CALL"]
@@ -165,8 +165,8 @@ class Telemetry:
     def _kept_unsampled(call, end: int = 0) -> str | None:
         """Failed (a client that never read its reply counts), or slower than its route's
         slow_call, for a call the head decision did not keep."""
-        if call.error is not None or call.never_read or (call.outcome or call_outcome(call)) not in OK_OUTCOMES:
-            return FAILED  # (metrics.is_failure, inline: this runs for every call)
+        if is_failure(call):
+            return FAILED
         route = call.route
         settings = route.settings if route is not None else None
         slow = settings.slow_call if settings is not None else DEFAULT_SLOW_CALL

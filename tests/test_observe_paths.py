@@ -18,6 +18,17 @@ from spans_util import Traced
 from test_tracing_live import PARENT_ID, TRACE_ID
 
 
+RST = b"\x01\x00\x00\x00\x00\x00\x00\x00"  # SO_LINGER on, 0 s: close() resets the connection
+
+
+def _non_reader(port: int) -> socket.socket:
+    """A client connection with a 4 KB receive buffer (it will not read: replies back up)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    return s
+
+
 def _cfg(upstream: str, listener: str = "", route: str = "", cluster: str = "") -> str:
     return f"""
 listeners:
@@ -80,9 +91,7 @@ def test_a_reply_the_client_never_reads_shows_the_wait(monkeypatch):
     up = ThriftServer()
     try:
         with Traced(_cfg(up.address), ratio=1.0) as t:
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            s.connect(("127.0.0.1", t.port()))
+            s = _non_reader(t.port())
             with s:
                 s.sendall(request_bytes("framed", "binary", "echo", b"x" * 50_000, seqid=3))
                 (call,) = t.wait_calls(1, timeout=10.0)
@@ -102,9 +111,7 @@ def test_a_stream_cut_by_a_write_stall_keeps_the_clients_pause_and_says_why():
     up = ThriftServer()
     try:
         with Traced(_cfg(up.address, "\n    request_read_timeout: 1s"), ratio=1.0) as t:
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            s.connect(("127.0.0.1", t.port()))
+            s = _non_reader(t.port())
             with s:
                 s.sendall(request_bytes("framed", "binary", "get_users", 58000, 0, seqid=3))
                 (call,) = t.wait_calls(1, timeout=15.0)
@@ -183,7 +190,7 @@ def test_a_reply_to_a_client_that_half_closed_then_vanished_is_not_delivered(rep
                 s.sendall(request_bytes("framed", "binary", "get_users", 500, 300, seqid=7))
             s.shutdown(socket.SHUT_WR)
             time.sleep(0.1)  # the proxy saw the FIN and goes on with the call
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RST)
             s.close()  # RST: the reply, when it comes, has nowhere to go
             (call,) = t.wait_calls(1, timeout=10.0)
             stats = t.proxy.server.listeners["test"].pipeline.stats
@@ -239,9 +246,7 @@ def test_a_half_closed_client_that_never_reads_is_still_recorded(monkeypatch):
     up = ThriftServer()
     try:
         with Traced(_cfg(up.address, cluster="\n    stream_threshold: 0"), ratio=1.0) as t:
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            s.connect(("127.0.0.1", t.port()))
+            s = _non_reader(t.port())
             with s:
                 s.sendall(request_bytes("framed", "binary", "get_users", 30000, 0, seqid=3))
                 s.shutdown(socket.SHUT_WR)
@@ -262,7 +267,7 @@ def test_a_reply_read_whole_before_a_reset_is_delivered(users):
             s = socket.create_connection(("127.0.0.1", t.port()))
             s.sendall(request_bytes("framed", "binary", "get_users", users, 0, seqid=3))
             read_messages(s, 1)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RST)
             s.close()
             (call,) = t.wait_calls(1, timeout=10.0)
     finally:
@@ -324,12 +329,10 @@ def test_a_reply_stuck_unsent_when_the_client_resets_is_not_delivered():
     up = ThriftServer()
     try:
         with Traced(_cfg(up.address, cluster="\n    stream_threshold: 0"), ratio=1.0) as t:
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            s.connect(("127.0.0.1", t.port()))
+            s = _non_reader(t.port())
             s.sendall(request_bytes("framed", "binary", "get_users", 30000, 0, seqid=3))
             time.sleep(0.5)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RST)
             s.close()
             (call,) = t.wait_calls(1, timeout=10.0)
     finally:
@@ -346,9 +349,7 @@ def test_a_reply_cut_by_a_write_stall_is_not_delivered():
     try:
         text = _cfg(up.address, "\n    request_read_timeout: 1s", cluster="\n    stream_threshold: 0")
         with Traced(text, ratio=1.0) as t:
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            s.connect(("127.0.0.1", t.port()))
+            s = _non_reader(t.port())
             with s:
                 s.sendall(request_bytes("framed", "binary", "get_users", 30000, 0, seqid=3))
                 (call,) = t.wait_calls(1, timeout=15.0)

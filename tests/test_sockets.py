@@ -27,6 +27,26 @@ def test_compiled_socket_queues_are_built():
     assert sockets.unsent_bytes is _sockq.unsent_bytes and sockets.unread_bytes is _sockq.unread_bytes
 
 
+def _pair() -> tuple[socket.socket, socket.socket]:
+    """A connected loopback pair (client side, server side)."""
+    lsock = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(lsock.getsockname())
+    b, _ = lsock.accept()
+    lsock.close()
+    return a, b
+
+
+def _fill(a: socket.socket) -> int:
+    """Write to `a` until its peer's window and its own send buffer are full; the bytes written."""
+    a.setblocking(False)
+    sent = 0
+    try:
+        while True:
+            sent += a.send(b"y" * 65536)
+    except BlockingIOError:
+        return sent
+
+
 def _both(fd: int) -> tuple[tuple[int, int], tuple[int, int]]:
     pure = (sockets.pure_unsent_bytes(fd), sockets.pure_unread_bytes(fd))
     compiled = (_sockq.unsent_bytes(fd), _sockq.unread_bytes(fd))
@@ -35,10 +55,7 @@ def _both(fd: int) -> tuple[tuple[int, int], tuple[int, int]]:
 
 @pytest.mark.skipif(_sockq is None, reason="proxy._sockq not built (test_compiled_socket_queues_are_built says so)")
 def test_twins_agree_on_loopback_queues():
-    lsock = socket.create_server(("127.0.0.1", 0))
-    a = socket.create_connection(lsock.getsockname())
-    b, _ = lsock.accept()
-    lsock.close()
+    a, b = _pair()
     try:
         b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: bytes stay unsent
         pure, compiled = _both(a.fileno())
@@ -52,13 +69,7 @@ def test_twins_agree_on_loopback_queues():
         pure, compiled = _both(b.fileno())
         assert pure == compiled == (0, 1000)
 
-        a.setblocking(False)
-        sent = 0
-        try:
-            while True:
-                sent += a.send(b"y" * 65536)
-        except BlockingIOError:
-            pass
+        sent = _fill(a)
         pure, compiled = _both(a.fileno())
         assert pure == compiled
         assert compiled[0] > 0, "the sender's queue holds bytes the full peer could not take"
@@ -91,10 +102,7 @@ def test_twins_agree_on_fds_that_are_not_tcp_sockets():
 
 
 def test_sent_bytes_counts_what_left_the_send_queue_and_survives_a_reset():
-    lsock = socket.create_server(("127.0.0.1", 0))
-    a = socket.create_connection(lsock.getsockname())
-    b, _ = lsock.accept()
-    lsock.close()
+    a, b = _pair()
     try:
         if sockets.sent_bytes(a.fileno()) is None:
             pytest.skip("TCP_INFO tcpi_bytes_sent not available (Linux >= 4.19)")
@@ -103,13 +111,7 @@ def test_sent_bytes_counts_what_left_the_send_queue_and_survives_a_reset():
         time.sleep(0.05)
         assert sockets.sent_bytes(a.fileno()) == 12345
         b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        a.setblocking(False)
-        written = 12345
-        try:
-            while True:
-                written += a.send(b"y" * 65536)
-        except BlockingIOError:
-            pass
+        written = 12345 + _fill(a)
         time.sleep(0.05)
         left = sockets.sent_bytes(a.fileno())
         assert left + sockets.unsent_bytes(a.fileno()) == written  # the two views agree
