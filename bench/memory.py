@@ -64,6 +64,7 @@ def call(sock: socket.socket, seqid: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--connections", type=int, default=1000)
+    ap.add_argument("--out", help="also write the figures as JSON to this file (bench/targets.py reads it)")
     args = ap.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -107,8 +108,11 @@ def main() -> int:
             time.sleep(2)
             many = rss_mib(proxy.pid)
             print(f"with {args.connections} idle client connections: {many:.1f} MiB")
-            print(json.dumps({"idle_mib": round(idle, 1), "connections": args.connections,
-                              "with_connections_mib": round(many, 1)}))
+            figures = json.dumps({"idle_mib": round(idle, 1), "connections": args.connections,
+                                  "with_connections_mib": round(many, 1)})
+            print(figures)
+            if args.out:
+                Path(args.out).write_text(figures + "\n")
         finally:
             for s in socks:
                 s.close()

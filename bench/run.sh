@@ -183,7 +183,14 @@ fi
 {
   echo
   echo "## memory (bench/memory.py: the demo config; issue 10: <= 80 MiB idle, <= 200 MiB with 1,000 idle connections)"
-  "$venv/bin/python" "$here/memory.py" 2>&1 || echo "run.sh: bench/memory.py failed"
+  "$venv/bin/python" "$here/memory.py" --out "$results/bench-$stamp-memory.json" 2>&1 \
+    || echo "run.sh: bench/memory.py failed"
+} | tee -a "$log"
+
+{
+  echo
+  echo "## issue 10's targets in this run (bench/targets.py)"
+  "$venv/bin/python" "$here/targets.py" "$results/bench-$stamp" 2>&1 || echo "run.sh: bench/targets.py failed"
 } | tee -a "$log"
 
 echo "tables and logs: $log" | tee -a "$log"
