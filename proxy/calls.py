@@ -206,7 +206,7 @@ class Attempt(Exchange):
     def on_failure(self, error) -> None:
         self.call.pipeline.attempt_failed(self, error)
 
-    def start_stream(self, head) -> bool:
+    def start_stream(self, head) -> bool | str:
         return self.call.pipeline.stream_start(self, head)
 
     def stream_data(self, data) -> int:

@@ -42,6 +42,8 @@ LINGER = 2.0  # seconds a closing connection keeps reading (and discarding) so i
 ACK_POLL_FIRST = 0.001  # then doubling, up to ACK_POLL_MAX, while a reply is not acknowledged
 ACK_POLL_MAX = 0.01
 STALL_LOOKS = 4  # looks per request_read_timeout at a client whose reading holds our writing back
+WAITING_REPLY_BUDGET = 16 << 20  # bytes of large replies read whole while they wait behind a client's
+                                 # earlier calls; past it they wait unread (take_turn)
 ACK_CAP_NS = 60_000_000_000  # a client that has not acknowledged a reply after this never read it
 UNDECIDED, NEVER = -2, -1    # ClientConnection._upload_at before a request's head is looked at / never
 
@@ -79,7 +81,7 @@ class ClientConnection(asyncio.Protocol):
     __slots__ = ("state", "transport", "decoder", "queue", "peer", "t_first",
                  "closing", "paused_reading", "paused_writing", "_read_timer", "_idle_timer",
                  "_last_active", "_linger", "fd", "bytes_out", "_unacked", "_ack_poll", "_ack_delay",
-                 "stream_call", "stream_up", "_paused_at", "_framing", "_eof", "_stall_timer",
+                 "stream_call", "stream_up", "_waiting", "_waiting_bytes", "_paused_at", "_framing", "_eof", "_stall_timer",
                  "_stall_mark", "_stall_seen", "upload", "_upload_at", "_upload_held", "_closed_why",
                  "_held_since")
 
@@ -105,6 +107,8 @@ class ClientConnection(asyncio.Protocol):
         self._ack_delay = ACK_POLL_FIRST
         self.stream_call: Call | None = None   # the call whose reply is streaming now
         self.stream_up = None                  # its upstream connection (paused with us)
+        self._waiting: dict[Call, int] = {}    # large replies read whole to wait their turn: their sizes
+        self._waiting_bytes = 0                # (their sum: WAITING_REPLY_BUDGET bounds it)
         self._paused_at = 0
         self._framing = False                  # in _frame_requests (no nested framing)
         self._eof = False                      # half-closed while requests wait in the decoder
@@ -553,6 +557,34 @@ class ClientConnection(asyncio.Protocol):
         return (self.stream_call is None and not self.closing and self.transport is not None
                 and bool(self.queue) and self.queue[0] is call)
 
+    def stream_later(self, call: Call) -> bool:
+        """`call`'s reply may stream once it is first in line (its upstream connection holds it
+        unread until `_give_turn`): this connection is not closing and the call is in line."""
+        return not self.closing and self.transport is not None and call in self.queue
+
+    def wait_whole(self, call: Call, size: int | None) -> bool:
+        """May `call`'s large reply (`size` bytes; None: unframed, not known) behind earlier
+        calls be read whole to wait its turn? Yes while this connection's replies read whole for
+        that stay within WAITING_REPLY_BUDGET (reading it frees its upstream connection at once:
+        a client pipelining many calls does not hold as many connections); else it waits unread."""
+        if size is None:
+            return False
+        have = self._waiting.get(call, 0)
+        if self._waiting_bytes - have + size > WAITING_REPLY_BUDGET:
+            return False
+        self._waiting[call] = size
+        self._waiting_bytes += size - have
+        return True
+
+    def _give_turn(self, call: Call) -> None:
+        """`call` is first in line now and its large reply is held unread: let it come. The time
+        it was held counts as the client's (client_paused_ms: the client's own earlier calls held
+        it back, not the upstream), as does the route timeout's credit (paused_ns)."""
+        a = call.attempt
+        up = a.upconn if a is not None else None
+        if up is not None and up.turn is not None:
+            call.client_paused_ns += up.take_turn()
+
     def stream_begin(self, call: Call, upconn) -> None:
         self.stream_call = call
         self.stream_up = upconn
@@ -565,6 +597,10 @@ class ClientConnection(asyncio.Protocol):
         paused = call.client_paused_ns
         if self.paused_writing and self.stream_call is call:
             paused += monotonic_ns() - self._paused_at
+        a = call.attempt
+        up = a.upconn if a is not None else None
+        if up is not None and up.turn is not None:  # held for its turn (_give_turn)
+            paused += monotonic_ns() - up.turn_since
         return paused
 
     def stream_write(self, call: Call, data) -> int:
@@ -609,6 +645,8 @@ class ClientConnection(asyncio.Protocol):
         q = self.queue
         if q and q[0] is call:
             q.popleft()
+        if self._waiting:  # (it waited to be read whole once; a retry's reply streamed)
+            self._waiting_bytes -= self._waiting.pop(call, 0)
         self._unacked.append((self.bytes_out, call))
         call.reply = b""  # written already; nothing left to send
         if q and q[0].reply is not None:
@@ -621,6 +659,8 @@ class ClientConnection(asyncio.Protocol):
                 self._close_after_replies()
             elif self.paused_reading:
                 self._maybe_resume()
+            if q and self.stream_call is None:
+                self._give_turn(q[0])
 
     def _stream_times(self, call: Call) -> None:
         """A stream is over (whole or cut): the time the client held it back, a pause still
@@ -668,6 +708,8 @@ class ClientConnection(asyncio.Protocol):
         unacked = self._unacked
         while q and q[0].reply is not None:
             c = q.popleft()
+            if self._waiting:
+                self._waiting_bytes -= self._waiting.pop(c, 0)
             c.t_write = monotonic_ns()
             data = c.reply
             write(data)
@@ -689,6 +731,8 @@ class ClientConnection(asyncio.Protocol):
             c.pipeline.completed(c)
         else:
             self._check_acks()
+        if q and self.stream_call is None:  # the next in line may be a large reply held for its turn
+            self._give_turn(q[0])
         if self.closing:
             if not q:
                 self._close_after_replies()

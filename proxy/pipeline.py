@@ -44,13 +44,19 @@ from proxy.codec import (AppErrorType, Message, MessageType, Protocol, ProtocolE
                          reframe)
 from proxy.codec.wire import F_FRAMED_HEADER, F_HEADER, M_CALL, M_EXCEPTION, M_ONEWAY
 from proxy.retry import RetryPolicy
-from proxy.upstream import SENT_WATCH_MIN, UpstreamError
+from proxy.upstream import SENT_WATCH_MIN, WAIT_TURN, UpstreamError
 
 log = logging.getLogger(__name__)
 
 PREFIX = "thrift-sidecar: "
 CLIENT_TIMEOUT_HEADER = "client_timeout"  # ms, as fbthrift carries it
 _MAX_CLIENT_TIMEOUT_MS = 2**31 - 1        # ~24.8 days: any more is "no cap" in practice
+
+
+def _held(attempt: Attempt) -> bool:
+    """The attempt's large reply is held unread until its call is first in line (take_turn)."""
+    conn = attempt.upconn
+    return conn is not None and conn.turn is not None
 
 
 def _client_timeout(value: str) -> float:
@@ -430,14 +436,17 @@ class Pipeline:
 
     # 6b: a large reply streams: checked and classified from its head, passed on as it arrives
 
-    def stream_start(self, attempt: Attempt, head) -> bool:
+    def stream_start(self, attempt: Attempt, head) -> bool | str:
         call = attempt.call
         if (call.cancelled or attempt is not call.attempt or call.oneway
-                or head.framing is not call.msg.framing or not call.conn.can_stream(call)
+                or head.framing is not call.msg.framing
                 or (call.upload is not None and not call.upload.done)):
-            # read it whole: it is re-framed, or replies ahead of it are pending, or it came
-            # before the whole request was written (that connection is then discarded)
+            # read it whole: it is re-framed, or it came before the whole request was written
+            # (that connection is then discarded)
             return False
+        now = call.conn.can_stream(call)
+        if not now and not call.conn.stream_later(call):
+            return False  # (its client connection is closing: replies go out whole)
         if head.type == MessageType.EXCEPTION:
             outcome = calls.APP_EXCEPTION
         elif head.result_field is not None and head.result_field > 0:
@@ -446,6 +455,11 @@ class Pipeline:
             outcome = calls.SUCCESS
         if outcome != calls.SUCCESS and self._would_retry(call, attempt, outcome, head.result_field):
             return False  # read it whole, so that it can be retried
+        if not now:
+            # Replies ahead of it are still pending: read it whole to wait (a few, up to the client
+            # connection's budget), or leave it unread until it is first in line, then stream it
+            # (the client connection calls take_turn).
+            return False if call.conn.wait_whole(call, head.total) else WAIT_TURN
         call.streamed = True
         call.outcome = outcome
         call.result_field = head.result_field
@@ -606,15 +620,16 @@ class Pipeline:
                                                  credited, True)
             return
         call = attempt.call
-        if call.streamed:
-            # As for the route timeout (_call_timeout): time the client held the stream back is
-            # not the upstream's, and the deadline moves by it.
+        if call.streamed or _held(attempt):
+            # As for the route timeout (_call_timeout): time the client held the stream back (or
+            # its earlier calls held the reply unread) is not the upstream's: the deadline moves.
             paused = call.conn.paused_ns(call)
             if paused > credited:
                 due = timer.when() if timer is not None else self.loop.time()
                 attempt.timer = self.loop.call_at(due + (paused - credited) / 1e9,
                                                   self._attempt_timeout, attempt, per_try, paused)
                 return
+        if call.streamed:
             if attempt.upconn is not None:
                 attempt.upconn.abandon()
             self.stats["timeouts"] += 1
@@ -647,16 +662,18 @@ class Pipeline:
             # meanwhile is read first (the next poll, in STALL_RECHECK), then the timeout stands.
             call.timer = self.loop.call_later(STALL_RECHECK, self._call_timeout, call, timeout, credited, True)
             return
-        if call.streamed:
+        if call.streamed or (call.attempt is not None and _held(call.attempt)):
             # Time the client held the stream back (not reading) is not the upstream's: the
             # deadline moves by it (a client that stops reading altogether is closed as a write
             # stall after request_read_timeout). As when a reply is read whole: the route
-            # timeout bounds the upstream side of the call, not the client's reading.
+            # timeout bounds the upstream side of the call, not the client's reading. So is the
+            # time a large reply is held unread behind the client's earlier calls (take_turn).
             paused = call.conn.paused_ns(call)
             if paused > credited:
                 call.deadline += (paused - credited) / 1e9
                 call.timer = self.loop.call_at(call.deadline, self._call_timeout, call, timeout, paused)
                 return
+        if call.streamed:
             a = call.attempt
             if a is not None and a.upconn is not None:
                 a.upconn.abandon()

@@ -17,6 +17,14 @@ whole so far), and from then on `UnframedStream` finds its end in each read, kee
 only a cut field header between reads. Bytes past a streamed reply's end discard the
 connection, as for any reply.
 
+A large reply whose call is not yet first in line (the client pipelined, and an earlier call's
+reply has not gone out) waits for its turn unread: the exchange says `WAIT_TURN`, this
+connection keeps the bytes it has (at most a probe's, or `stream_threshold` of an unframed
+reply) and stops reading, so the rest stays in the kernel (the upstream's send buffer, then the
+upstream itself, holds it back). `take_turn()` (the client connection, once the call is first)
+asks again and streams it, or reads it whole after all. Without it, every such reply would be
+read whole into the proxy meanwhile: up to max_inflight x max_reply_size for one client.
+
 Once the client's transport holds nothing and at least `splice.SPLICE_MIN` bytes of a framed
 reply are still to come, the rest goes by splice(2), kernel to kernel (`proxy.splice`): this
 connection's transport stays paused meanwhile and takes over again at the reply's end.
@@ -43,6 +51,8 @@ PROBE_MAX = 64 * 1024  # bytes gathered to read a large reply's head before deci
 SENT_WATCH_MIN = 64 * 1024  # requests this large are watched until the upstream's kernel has them
 SENT_POLL_FIRST = 0.001     # s, then doubling up to SENT_POLL_MAX
 SENT_POLL_MAX = 0.01
+
+WAIT_TURN = "wait_turn"  # Exchange.start_stream: stream it, but only once the call is first in line
 
 
 class StreamHead:
@@ -112,8 +122,9 @@ class Exchange:
     name: str           # the method name sent (a reply must answer it: see `answers`)
     t_first_reply: int
 
-    def start_stream(self, head: StreamHead) -> bool:  # pragma: no cover - interface
-        """A large reply begins: True to stream it to the client as it arrives."""
+    def start_stream(self, head: StreamHead) -> bool | str:  # pragma: no cover - interface
+        """A large reply begins: True to stream it to the client as it arrives, False to read it
+        whole, WAIT_TURN to hold it unread until `take_turn()` (then asked again)."""
         return False
 
     def stream_data(self, data) -> int:  # pragma: no cover - interface
@@ -158,7 +169,8 @@ def _bare(name: str) -> str:
 class UpstreamConnection(asyncio.Protocol):
     __slots__ = ("pool", "transport", "decoder", "exchange_", "idle_since", "closed", "label", "framing",
                  "protocol", "max_reply_size", "stream_threshold", "_probe", "_stream_left", "_may_stream", "_tail",
-                 "paused", "upload", "owned", "_splice", "_write_full", "_held_oneway", "fd", "_sent_poll")
+                 "paused", "upload", "owned", "_splice", "_write_full", "_held_oneway", "fd", "_sent_poll",
+                 "turn", "turn_since")
 
     def __init__(self, pool, framing: Framing, protocol: Protocol, max_reply_size: int,
                  stream_threshold: int = 0) -> None:
@@ -187,6 +199,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._splice: splice.Splice | None = None  # moving the rest of a streaming reply (transport paused)
         self.fd = -1                       # the socket's (for the send queue: watch_sent)
         self._sent_poll = None             # the timer of watch_sent, while it looks
+        self.turn: tuple | None = None     # a large reply held unread for its turn: (head, bytes so far)
+        self.turn_since = 0                # since when (monotonic ns)
 
     # -- asyncio.Protocol -----------------------------------------------------
 
@@ -287,11 +301,53 @@ class UpstreamConnection(asyncio.Protocol):
         if not answers(ex, head.seqid, head.type, head.name):
             self._fail_head(ex, head.seqid, head.type, head.name)
             return None
-        if not ex.start_stream(head):
+        go = ex.start_stream(head)
+        if go is WAIT_TURN:
+            self._hold(head, buf)
+            return None
+        if not go:
             return buf  # read it whole after all
         self._stream_left = total
         self._stream_chunk(ex, buf)
         return None
+
+    def _hold(self, head: StreamHead, buf) -> None:
+        """Keep a large reply unread until its call's turn (take_turn)."""
+        self.turn = (head, buf)
+        self.turn_since = monotonic_ns()
+        if self._may_stream:
+            self._may_stream = False
+        self.transport.pause_reading()  # (not `paused`: that is the client's backpressure)
+
+    def take_turn(self) -> int:
+        """The held reply's call is first in line: stream the reply now (or read it whole after
+        all: the exchange says). Returns how long it was held (ns)."""
+        held = self.turn
+        if held is None:
+            return 0
+        self.turn = None
+        waited = monotonic_ns() - self.turn_since
+        self.turn_since = 0
+        ex = self.exchange_
+        if ex is None or self.closed:
+            return waited
+        head, buf = held
+        go = ex.start_stream(head)
+        if go is WAIT_TURN:  # (not first after all: held again)
+            self._hold(head, buf)
+            return waited
+        if head.total is None:  # unframed: the bytes so far are the decoder's
+            if go:
+                first, self._tail = self.decoder.detach_unframed()
+                ex.stream_data(first)
+        elif go:
+            self._stream_left = head.total
+            self._stream_chunk(ex, buf)
+        else:
+            self.decoder.feed(buf)  # read it whole (it is larger than these bytes)
+        if not self.paused and not self.closed and self.exchange_ is ex and self._splice is None:
+            self.transport.resume_reading()
+        return waited
 
     def _stream_chunk(self, ex: Exchange, data: bytes) -> None:
         left = self._stream_left
@@ -391,7 +447,12 @@ class UpstreamConnection(asyncio.Protocol):
         if not answers(ex, seqid, mtype, name):
             self._fail_head(ex, seqid, mtype, name)
             return
-        if not ex.start_stream(StreamHead(name, mtype, seqid, field, None, Framing.BUFFERED)):
+        head = StreamHead(name, mtype, seqid, field, None, Framing.BUFFERED)
+        go = ex.start_stream(head)
+        if go is WAIT_TURN:
+            self._hold(head, None)
+            return
+        if not go:
             return  # read it whole after all
         first, self._tail = dec.detach_unframed()
         ex.stream_data(first)
@@ -442,7 +503,7 @@ class UpstreamConnection(asyncio.Protocol):
             self.paused = False
             if self._splice is not None:
                 self._splice.resume()
-            else:
+            elif self.turn is None:  # (a reply held for its turn stays unread: take_turn)
                 self.transport.resume_reading()
 
     def eof_received(self) -> bool:
@@ -560,6 +621,7 @@ class UpstreamConnection(asyncio.Protocol):
             up.client.stop_upload_splice(up)
 
     def _discard(self) -> None:
+        self.turn = None
         if not self.closed:
             self.closed = True
             self._stop_splice()

@@ -586,11 +586,14 @@ def request_bytes(framing: str, protocol: str, method: str, *args, seqid: int = 
     return buf.getvalue()
 
 
-def read_messages(sock: socket.socket, count: int, framing=None, protocol=None, timeout: float = 10.0):
-    """Read `count` messages from a raw socket with the proxy's own decoder."""
+def read_messages(sock: socket.socket, count: int, framing=None, protocol=None, timeout: float = 10.0,
+                  max_size: int | None = None):
+    """Read `count` messages from a raw socket with the proxy's own decoder (`max_size`: its
+    limit, if not the default max frame size)."""
     from proxy.codec import Decoder, Framing, Protocol
 
-    dec = Decoder(Framing(framing) if framing else None, Protocol(protocol) if protocol else None)
+    dec = Decoder(Framing(framing) if framing else None, Protocol(protocol) if protocol else None,
+                  *(() if max_size is None else (max_size,)))
     out = []
     sock.settimeout(timeout)
     while len(out) < count:

@@ -157,18 +157,57 @@ def test_a_pooled_connection_keeps_nothing_of_its_streamed_reply():
         up.stop()
 
 
-def test_reply_behind_a_pending_call_is_buffered_in_order():
+def test_reply_behind_a_pending_call_is_read_whole_in_order_within_the_budget():
     up = ThriftServer()
     try:
         with Proxy(_big_config(up.address)) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
             with socket.create_connection(("127.0.0.1", p.port())) as s:
                 s.sendall(request_bytes("framed", "binary", "sleep", 200, seqid=1)
                           + request_bytes("framed", "binary", "echo", b"z" * 3_000_000, seqid=2))
                 first, second = read_messages(s, 2)
             assert (first.seqid, second.seqid) == (1, 2)
             assert second.type == MessageType.REPLY and len(second.data) == 3_000_028
+            assert second.data.endswith(b"z" * 1000 + b"\x00")
+            time.sleep(0.2)
     finally:
         up.stop()
+    (echo,) = [call for call in done if call.msg.name == "echo"]
+    # 3 MB: within the connection's budget for replies read whole to wait (16 MiB), so its
+    # upstream connection was free again at once
+    assert not echo.streamed and echo.outcome == "success"
+
+
+def test_replies_past_the_waiting_budget_wait_unread_then_stream():
+    """Three 6 MB replies behind a slow call: two are read whole to wait (12 MB, within the
+    16 MiB budget); the third would pass it and waits unread, then streams in its turn. All four
+    arrive in order, byte for byte."""
+    up = SlowFirstBigUpstream(6_000_000, delay=0.5)
+    try:
+        with Proxy(_big_config(up.address)) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(request_bytes("framed", "binary", "sleep", 500, seqid=1)
+                          + b"".join(request_bytes("framed", "binary", "echo", b"", seqid=i) for i in (2, 3, 4)))
+                s.settimeout(10)
+                replies = read_messages(s, 4)
+            assert [(r.seqid, r.type) for r in replies] == [(i, MessageType.REPLY) for i in (1, 2, 3, 4)]
+            assert all(len(r.data) == 6_000_028 and r.data[-11:] == b"\xab" * 10 + b"\x00" for r in replies[1:])
+            time.sleep(0.2)
+
+            def waiting():
+                (conn,) = p.server.listeners["test"].connections or (None,)
+                return conn and (dict(conn._waiting), conn._waiting_bytes)
+
+            assert p.call(waiting) in (None, ({}, 0))  # nothing left reserved
+    finally:
+        up.close()
+    echoes = sorted((c for c in done if c.msg.name == "echo"), key=lambda c: c.msg.seqid)
+    assert [c.streamed for c in echoes] == [False, False, True]
+    assert all(c.outcome == "success" for c in echoes)
+
 
 
 class RawBigUpstream(RawUpstream):
@@ -177,29 +216,201 @@ class RawBigUpstream(RawUpstream):
     def __init__(self, size: int, die_after: int | None = None) -> None:
         self.size = size
         self.die_after = die_after
+        self.stall_after: int | None = None
         super().__init__()
 
     def _one(self, c: socket.socket) -> None:
         with c:
             for name, seqid in self.requests(c):
-                head = struct.pack("!Ii", 0x80010002, len(name)) + name + struct.pack("!i", seqid)
-                size = 10 if name == b"ping" else self.size
-                field = bytes((11,)) + struct.pack("!h", 0) + struct.pack("!i", size)
-                body_len = len(head) + len(field) + size + 1
-                c.sendall(struct.pack("!i", body_len) + head + field)
-                chunk = b"\xab" * (1 << 20)
-                left = size
-                sent = 0
-                while left:
-                    part = chunk[:min(left, len(chunk))]
-                    c.sendall(part)
-                    left -= len(part)
-                    sent += len(part)
-                    if self.die_after is not None and sent >= self.die_after:
-                        c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                        return  # reset mid-reply
-                c.sendall(b"\x00")
+                if not self._big(c, name, seqid):
+                    return
 
+    def _big(self, c: socket.socket, name: bytes, seqid: int) -> bool:
+        """Send the reply; False once the connection was reset on purpose (die_after)."""
+        head = struct.pack("!Ii", 0x80010002, len(name)) + name + struct.pack("!i", seqid)
+        size = 10 if name == b"ping" else self.size
+        field = bytes((11,)) + struct.pack("!h", 0) + struct.pack("!i", size)
+        body_len = len(head) + len(field) + size + 1
+        c.sendall(struct.pack("!i", body_len) + head + field)
+        chunk = b"\xab" * (1 << 20)
+        left = size
+        sent = 0
+        while left:
+            part = chunk[:min(left, len(chunk))]
+            try:
+                c.sendall(part)
+            except OSError:  # the proxy closed this connection (it gave up on the reply)
+                return False
+            left -= len(part)
+            sent += len(part)
+            if self.die_after is not None and sent >= self.die_after:
+                c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                return False  # reset mid-reply
+            if self.stall_after is not None and sent >= self.stall_after:
+                time.sleep(30)  # stops sending (until the proxy gives up and closes)
+                return False
+        c.sendall(b"\x00")
+        return True
+
+
+class SlowFirstBigUpstream(RawBigUpstream):
+    """`sleep` answers after `delay` seconds with a small reply; anything else at once with a
+    reply carrying `size` bytes (RawBigUpstream's)."""
+
+    def __init__(self, size: int, delay: float) -> None:
+        self.delay = delay
+        super().__init__(size)
+
+    def _one(self, c: socket.socket) -> None:
+        with c:
+            for name, seqid in self.requests(c):
+                if name != b"sleep":
+                    self._big(c, name, seqid)
+                    continue
+                time.sleep(self.delay)
+                c.sendall(reply_bytes(name, seqid))
+
+
+@pytest.mark.parametrize("read_late", [False, True])
+def test_large_reply_behind_a_pending_call_waits_unread_with_bounded_memory(read_late):
+    """A client pipelines a slow call and a call with a 96 MB reply. The large reply cannot go
+    out before the slow one's; it must not be read whole into the proxy meanwhile (with the
+    default max_inflight of 128 and a raised max_reply_size, that would be gigabytes for one
+    client): its upstream connection stops reading until it is first in line, then it streams.
+    `read_late`: the client also reads nothing for a while after the slow reply is due."""
+    size = 96 * 1024 * 1024
+    port = free_port()
+    up = SlowFirstBigUpstream(size, delay=0.8)
+    try:
+        with ProxyProcess(_big_config(up.address, port), [port]) as p:
+            with socket.create_connection(("127.0.0.1", port)) as s:  # warm up: pools, imports
+                s.sendall(request_bytes("framed", "binary", "ping", seqid=1))
+                read_messages(s, 1)
+            base = proc_status(p.proc.pid, "VmRSS")
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(request_bytes("framed", "binary", "sleep", 800, seqid=2)
+                          + request_bytes("framed", "binary", "echo", b"", seqid=3))
+                if read_late:
+                    time.sleep(1.5)
+                s.settimeout(30)
+                small = reply_bytes(b"sleep", 2)
+                got, start = 0, b""
+                total = len(small) + 4 + size + 24  # echo: head, string field header, payload, STOP
+                while got < total:
+                    chunk = s.recv(1 << 20)
+                    assert chunk, f"closed after {got} bytes"
+                    if len(start) < 256:
+                        start += chunk[:256]
+                    got += len(chunk)
+                assert got == total
+                assert start.startswith(small)  # the slow call's reply first, whole
+                echo = start[len(small):]
+                assert struct.unpack("!iIi", echo[:12]) == (size + 24, 0x80010002, 4)
+                assert echo[12:16] == b"echo" and struct.unpack("!i", echo[16:20])[0] == 3
+            peak = proc_status(p.proc.pid, "VmHWM")
+    finally:
+        up.close()
+    growth_mib = (peak - base) / 1024
+    print(f"96 MB reply behind a pending call: proxy RSS +{growth_mib:.1f} MiB at its peak")
+    assert growth_mib <= 32, f"peak RSS grew by {growth_mib:.1f} MiB: the waiting reply was read whole"
+
+
+def _routes_config(upstream: str, echo_route: str) -> str:
+    """`sleep` on a route with no timeout; everything else on a route with `echo_route`'s settings."""
+    return _big_config(upstream).replace(
+        "    routes:\n      - cluster: up\n",
+        f"    routes:\n      - match: {{method: sleep}}\n        cluster: up\n      - cluster: up\n{echo_route}")
+
+
+@pytest.mark.parametrize("which", ["timeout", "per_try_timeout"])
+def test_time_held_for_its_turn_does_not_count_against_the_timeouts(which):
+    """The echo's reply comes at once but is held ~700 ms behind the client's slow call; its
+    route timeout (or per-try timeout) of 300 ms bounds the upstream, not the client's order:
+    it is credited, as when such a reply was read whole (the call was over then)."""
+    setting = "        timeout: 300ms\n" if which == "timeout" else "        retry: {per_try_timeout: 300ms}\n"
+    up = SlowFirstBigUpstream(24_000_000, delay=0.7)  # past the 16 MiB budget: held unread
+    try:
+        with Proxy(_routes_config(up.address, setting)) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(request_bytes("framed", "binary", "sleep", 700, seqid=1)
+                          + request_bytes("framed", "binary", "echo", b"", seqid=2))
+                s.settimeout(10)
+                first, second = read_messages(s, 2, max_size=64 << 20)
+            assert (first.seqid, first.type) == (1, MessageType.REPLY)
+            assert (second.seqid, second.type) == (2, MessageType.REPLY), second
+            assert len(second.data) == 24_000_028
+            time.sleep(0.2)
+            assert p.server.listeners["test"].pipeline.stats["timeouts"] == 0
+    finally:
+        up.close()
+    (echo,) = [call for call in done if call.msg.name == "echo"]
+    assert echo.streamed and echo.outcome == "success" and echo.client_paused_ns >= 500e6
+
+
+def test_held_reply_times_out_once_the_upstream_stalls_after_its_turn():
+    """The credit is for the hold only: once its turn came, a reply whose upstream stops sending
+    still meets its route timeout (the client connection is closed: bytes went out)."""
+    up = SlowFirstBigUpstream(64_000_000, delay=0.4)
+    up.stall_after = 2_000_000
+    try:
+        with Proxy(_routes_config(up.address, "        timeout: 600ms\n")) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(request_bytes("framed", "binary", "sleep", 400, seqid=1)
+                          + request_bytes("framed", "binary", "echo", b"", seqid=2))
+                s.settimeout(10)
+                t0 = time.monotonic()
+                got = 0
+                while True:
+                    chunk = s.recv(1 << 20)
+                    if not chunk:
+                        break
+                    got += len(chunk)
+                closed_after = time.monotonic() - t0
+            assert got < 64_000_000
+            # held ~0.4 s (credited), then 0.6 s of route timeout for the stalled stream
+            assert 0.9 <= closed_after < 5, closed_after
+            time.sleep(0.2)
+    finally:
+        up.close()
+    (echo,) = [call for call in done if call.msg.name == "echo"]
+    assert echo.streamed and echo.outcome == "may_have_run" and "route timeout" in echo.error
+
+
+def test_client_gone_while_a_reply_is_held_frees_its_upstream_connection():
+    """The client leaves while its large reply is held unread: the upstream connection holding
+    the rest of it is closed (never handed to another call with a reply half read), and the
+    endpoint keeps serving."""
+    up = SlowFirstBigUpstream(32_000_000, delay=0.5)
+    try:
+        with Proxy(_big_config(up.address)) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            s = socket.create_connection(("127.0.0.1", p.port()))
+            s.sendall(request_bytes("framed", "binary", "sleep", 500, seqid=1)
+                      + request_bytes("framed", "binary", "echo", b"", seqid=2))
+            time.sleep(0.2)  # the echo's reply is held by now
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()
+            time.sleep(0.8)
+
+            def state():
+                (ep,) = p.server.clusters["up"].endpoints
+                return ep.outstanding, sum(len(pool.idle) for pool in ep.pools.values())
+
+            outstanding, idle = p.call(state)
+            assert outstanding == 0
+            with socket.create_connection(("127.0.0.1", p.port())) as s2:
+                s2.sendall(request_bytes("framed", "binary", "ping", seqid=9))
+                (reply,) = read_messages(s2, 1)
+            assert (reply.seqid, reply.type, reply.data[-11:-1]) == (9, MessageType.REPLY, b"\xab" * 10)
+    finally:
+        up.close()
+    echo = [call for call in done if call.msg.name == "echo"]
+    assert [c.outcome for c in echo] == ["client_gone"]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("framing", ["framed", "buffered"])
@@ -632,7 +843,7 @@ def test_compact_buffered_reply_streams():
     assert echo.streamed and echo.reply_size == 3_000_015
 
 
-def test_buffered_reply_behind_a_pending_call_is_read_whole_in_order():
+def test_buffered_reply_behind_a_pending_call_waits_its_turn_then_streams_in_order():
     up = ThriftServer(framing="buffered")
     try:
         with Proxy(_buffered_config(up.address)) as p:
@@ -649,7 +860,7 @@ def test_buffered_reply_behind_a_pending_call_is_read_whole_in_order():
     finally:
         up.stop()
     (echo,) = [call for call in done if call.msg.name == "echo"]
-    assert not echo.streamed
+    assert echo.streamed and echo.outcome == "success" and echo.client_paused_ns >= 150e6
 
 
 def test_buffered_upstream_reset_mid_stream_closes_only_that_client():
