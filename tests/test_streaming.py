@@ -363,12 +363,7 @@ def test_held_reply_times_out_once_the_upstream_stalls_after_its_turn():
                           + request_bytes("framed", "binary", "echo", b"", seqid=2))
                 s.settimeout(10)
                 t0 = time.monotonic()
-                got = 0
-                while True:
-                    chunk = s.recv(1 << 20)
-                    if not chunk:
-                        break
-                    got += len(chunk)
+                got = _recv_all(s)
                 closed_after = time.monotonic() - t0
             assert got < 64_000_000
             # held ~0.4 s (credited), then 0.6 s of route timeout for the stalled stream
@@ -458,12 +453,7 @@ def test_upstream_reset_mid_stream_closes_only_that_client():
             with socket.create_connection(("127.0.0.1", p.port())) as s:
                 s.sendall(request_bytes("framed", "binary", "echo", b"", seqid=5))
                 s.settimeout(10)
-                got = 0
-                while True:
-                    chunk = s.recv(1 << 20)
-                    if not chunk:
-                        break
-                    got += len(chunk)
+                got = _recv_all(s)
                 assert 0 < got < 8_000_000  # part of it came, then the connection closed
             stats = p.server.listeners["test"].pipeline.stats
             assert stats["errors"] >= 1
