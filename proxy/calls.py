@@ -209,6 +209,11 @@ class Attempt(Exchange):
     def start_stream(self, head) -> bool | str:
         return self.call.pipeline.stream_start(self, head)
 
+    def held_for(self, ns: int) -> None:
+        # held unread behind the client's earlier calls: the client's doing (client_paused_ms;
+        # the timeouts credit it), as when it holds a streaming reply back by not reading
+        self.call.client_paused_ns += ns
+
     def stream_data(self, data) -> int:
         return self.call.conn.stream_write(self.call, data)
 

@@ -442,6 +442,8 @@ class ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.closing = True
         self.state.connections.discard(self)
+        self._waiting.clear()  # (its calls end below: no budget left to keep)
+        self._waiting_bytes = 0
         if self.upload is not None:  # gone mid-request: the call is cancelled below
             self.stop_upload_splice(self.upload)
             self.upload.call = None
@@ -577,13 +579,12 @@ class ClientConnection(asyncio.Protocol):
         return True
 
     def _give_turn(self, call: Call) -> None:
-        """`call` is first in line now and its large reply is held unread: let it come. The time
-        it was held counts as the client's (client_paused_ms: the client's own earlier calls held
-        it back, not the upstream), as does the route timeout's credit (paused_ns)."""
+        """`call` is first in line now: if its large reply is held unread, let it come. (The time
+        it was held counts as the client's: Attempt.held_for.)"""
         a = call.attempt
         up = a.upconn if a is not None else None
         if up is not None and up.turn is not None:
-            call.client_paused_ns += up.take_turn()
+            up.take_turn()
 
     def stream_begin(self, call: Call, upconn) -> None:
         self.stream_call = call

@@ -106,6 +106,7 @@ class Pool:
         self.open = 0            # connections open or connecting
         self.connecting = 0
         self.waiters: deque[Waiter] = deque()
+        self.held: set[UpstreamConnection] = set()  # busy holding a large reply unread for its turn
         self.closed = False
         self._sweep: asyncio.TimerHandle | None = None
         # The owner's (proxy.cluster) hooks: a connect started; it ended (ok or failed), whether
@@ -141,6 +142,10 @@ class Pool:
             w.timer = self.loop.call_later(self.settings.acquire_timeout, self._acquire_timeout, w)
             w.queue = self.waiters
             self.waiters.append(w)
+            if self.held:
+                # A connection only holds a reply unread to spare the proxy's memory: under
+                # pressure it reads that reply whole instead, then serves this waiter.
+                self.held.pop().read_held_whole()
         return w
 
     def release(self, conn: UpstreamConnection) -> None:

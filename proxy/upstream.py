@@ -127,6 +127,9 @@ class Exchange:
         whole, WAIT_TURN to hold it unread until `take_turn()` (then asked again)."""
         return False
 
+    def held_for(self, ns: int) -> None:  # pragma: no cover - interface
+        """The reply was held unread for its turn this long (however the hold ended)."""
+
     def stream_data(self, data) -> int:  # pragma: no cover - interface
         """Pass on a piece of the reply; returns the bytes the client's transport still holds."""
         raise NotImplementedError
@@ -303,51 +306,79 @@ class UpstreamConnection(asyncio.Protocol):
             return None
         go = ex.start_stream(head)
         if go is WAIT_TURN:
-            self._hold(head, buf)
-            return None
+            if self._hold(head, buf):
+                return None
+            go = False
         if not go:
             return buf  # read it whole after all
         self._stream_left = total
         self._stream_chunk(ex, buf)
         return None
 
-    def _hold(self, head: StreamHead, buf) -> None:
-        """Keep a large reply unread until its call's turn (take_turn)."""
+    def _hold(self, head: StreamHead, buf) -> bool:
+        """Keep a large reply unread until its call's turn (take_turn). Not while calls wait for
+        a connection of this pool (False: read it whole instead, as under Pool.acquire's
+        pressure): holding spares the proxy's memory, never at the cost of other calls."""
+        if self.pool.waiters:
+            return False
         self.turn = (head, buf)
         self.turn_since = monotonic_ns()
+        self.pool.held.add(self)
         if self._may_stream:
             self._may_stream = False
         self.transport.pause_reading()  # (not `paused`: that is the client's backpressure)
+        return True
 
-    def take_turn(self) -> int:
-        """The held reply's call is first in line: stream the reply now (or read it whole after
-        all: the exchange says). Returns how long it was held (ns)."""
+    def _end_hold(self) -> tuple | None:
+        """The hold is over, however: (head, bytes so far), or None if there was none. The
+        exchange hears how long it lasted first (before any of the reply moves)."""
         held = self.turn
         if held is None:
-            return 0
+            return None
         self.turn = None
-        waited = monotonic_ns() - self.turn_since
-        self.turn_since = 0
+        self.pool.held.discard(self)
         ex = self.exchange_
-        if ex is None or self.closed:
-            return waited
+        if ex is not None:
+            ex.held_for(monotonic_ns() - self.turn_since)
+        self.turn_since = 0
+        return held
+
+    def take_turn(self) -> None:
+        """The held reply's call is first in line: stream the reply now (or read it whole after
+        all: the exchange says)."""
+        held = self._end_hold()
+        ex = self.exchange_
+        if held is None or ex is None or self.closed:
+            return
         head, buf = held
         go = ex.start_stream(head)
         if go is WAIT_TURN:  # (not first after all: held again)
-            self._hold(head, buf)
-            return waited
+            if self._hold(head, buf):
+                return
+            go = False
+        self._go_on(ex, head, buf, go)
+
+    def read_held_whole(self) -> None:
+        """Read the held reply whole now, not waiting for its turn (its pool needs this
+        connection back sooner: Pool.acquire); it then waits its turn as any reply read whole."""
+        held = self._end_hold()
+        ex = self.exchange_
+        if held is not None and ex is not None and not self.closed:
+            self._go_on(ex, held[0], held[1], False)
+
+    def _go_on(self, ex: Exchange, head: StreamHead, buf, stream: bool) -> None:
+        """After a hold: stream the reply from its first bytes, or read it whole; reading resumes."""
         if head.total is None:  # unframed: the bytes so far are the decoder's
-            if go:
+            if stream:
                 first, self._tail = self.decoder.detach_unframed()
                 ex.stream_data(first)
-        elif go:
+        elif stream:
             self._stream_left = head.total
             self._stream_chunk(ex, buf)
         else:
             self.decoder.feed(buf)  # read it whole (it is larger than these bytes)
         if not self.paused and not self.closed and self.exchange_ is ex and self._splice is None:
             self.transport.resume_reading()
-        return waited
 
     def _stream_chunk(self, ex: Exchange, data: bytes) -> None:
         left = self._stream_left
@@ -449,10 +480,9 @@ class UpstreamConnection(asyncio.Protocol):
             return
         head = StreamHead(name, mtype, seqid, field, None, Framing.BUFFERED)
         go = ex.start_stream(head)
-        if go is WAIT_TURN:
-            self._hold(head, None)
+        if go is WAIT_TURN and self._hold(head, None):
             return
-        if not go:
+        if not go or go is WAIT_TURN:
             return  # read it whole after all
         first, self._tail = dec.detach_unframed()
         ex.stream_data(first)
@@ -530,6 +560,7 @@ class UpstreamConnection(asyncio.Protocol):
             self.closed = True
             if self.owned:  # (a connect cancelled by its deadline just after it completed: the
                 self.pool.forget(self)  # pool's connect path uncounts it, not this)
+        self._end_hold()
         ex = self.exchange_
         if ex is not None:
             self.exchange_ = None
@@ -581,6 +612,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def abandon(self) -> None:
         """The attempt gave up (timeout, client gone): a late reply must never be read as another's."""
+        self._end_hold()  # (its time counted for the call first: a retry may be held again)
         ex = self.exchange_
         self.exchange_ = None
         if ex is not None:
@@ -621,7 +653,7 @@ class UpstreamConnection(asyncio.Protocol):
             up.client.stop_upload_splice(up)
 
     def _discard(self) -> None:
-        self.turn = None
+        self._end_hold()
         if not self.closed:
             self.closed = True
             self._stop_splice()

@@ -375,6 +375,42 @@ def test_held_reply_times_out_once_the_upstream_stalls_after_its_turn():
     assert echo.streamed and echo.outcome == "may_have_run" and "route timeout" in echo.error
 
 
+@pytest.mark.parametrize("connections, echoes", [(2, 1), (3, 3)])
+def test_held_replies_give_way_when_their_pool_runs_out_of_connections(connections, echoes):
+    """Holding a reply unread keeps its upstream connection. A reply is not held while calls
+    wait for a connection of its pool, and a held one is read whole (memory, as before holding
+    existed) as soon as a call has to wait: another client's call does not wait out
+    acquire_timeout. (2, 1): the sleep and one held echo take both connections, then the other
+    client's ping comes; (3, 3): the third echo waits for a connection, so the replies that
+    come meanwhile are not held."""
+    up = SlowFirstBigUpstream(20_000_000, delay=1.5)  # each reply past the 16 MiB budget
+    seqids = list(range(2, 2 + echoes))
+    try:
+        pool = f"\n    pool: {{max_connections: {connections}, acquire_timeout: 700ms}}"
+        with Proxy(_big_config(up.address, extra_cluster=pool)) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            with socket.create_connection(("127.0.0.1", p.port())) as a:
+                a.sendall(request_bytes("framed", "binary", "sleep", 1500, seqid=1)
+                          + b"".join(request_bytes("framed", "binary", "echo", b"", seqid=i) for i in seqids))
+                time.sleep(0.4)  # the sleep has a connection, the echoes theirs (held, or waiting)
+                with socket.create_connection(("127.0.0.1", p.port())) as b:
+                    t0 = time.monotonic()
+                    b.sendall(request_bytes("framed", "binary", "ping", seqid=9))
+                    (pong,) = read_messages(b, 1)
+                    took = time.monotonic() - t0
+                assert (pong.seqid, pong.type) == (9, MessageType.REPLY), pong
+                assert took < 0.5, took
+                replies = read_messages(a, 1 + echoes, max_size=64 << 20)
+            assert [(r.seqid, r.type) for r in replies] == [(i, MessageType.REPLY) for i in [1] + seqids]
+            assert all(len(r.data) == 20_000_028 for r in replies[1:])
+            time.sleep(0.2)
+            stats = p.call(lambda: dict(p.server.clusters["up"].endpoints[0].pools.popitem()[1].stats))
+            assert stats["acquire_timeouts"] == 0, stats
+    finally:
+        up.close()
+    assert sorted(c.outcome for c in done) == ["success"] * (2 + echoes)
+
 def test_client_gone_while_a_reply_is_held_frees_its_upstream_connection():
     """The client leaves while its large reply is held unread: the upstream connection holding
     the rest of it is closed (never handed to another call with a reply half read), and the
