@@ -180,9 +180,9 @@ def test_reply_behind_a_pending_call_is_read_whole_in_order_within_the_budget():
 
 
 def test_replies_past_the_waiting_budget_wait_unread_then_stream():
-    """Three 6 MB replies behind a slow call: two are read whole to wait (12 MB, within the
-    16 MiB budget); the third would pass it and waits unread, then streams in its turn. All four
-    arrive in order, byte for byte."""
+    """Three 6 MB replies behind a slow call: the first two to come are read whole to wait (12 MB,
+    within the 16 MiB budget); the third would pass it and waits unread, then streams in its turn.
+    All four arrive in order, byte for byte."""
     up = SlowFirstBigUpstream(6_000_000, delay=0.5)
     try:
         with Proxy(_big_config(up.address)) as p:
@@ -204,8 +204,9 @@ def test_replies_past_the_waiting_budget_wait_unread_then_stream():
             assert p.call(waiting) in (None, ({}, 0))  # nothing left reserved
     finally:
         up.close()
-    echoes = sorted((c for c in done if c.msg.name == "echo"), key=lambda c: c.msg.seqid)
-    assert [c.streamed for c in echoes] == [False, False, True]
+    echoes = [c for c in done if c.msg.name == "echo"]
+    # which two fit depends on which replies came first (three upstream connections)
+    assert sorted(c.streamed for c in echoes) == [False, False, True]
     assert all(c.outcome == "success" for c in echoes)
 
 
