@@ -384,7 +384,11 @@ class Pipeline:
     def attempt_replied(self, attempt: Attempt, reply: Message) -> None:
         self._off_connection(attempt)
         if attempt.call.cluster.tracks_latency and attempt.t_written:  # only peak_ewma reads it
-            attempt.endpoint.ewma.observe((attempt.t_reply - attempt.t_sent) / 1e9)
+            rtt = attempt.t_reply - attempt.t_sent
+            held = attempt.call.client_paused_ns  # (a read-whole reply's: held for its turn first)
+            if held:  # the client's order, not the endpoint's latency (at least its service time)
+                rtt = max(rtt - held, attempt.t_first_reply - attempt.t_sent)
+            attempt.endpoint.ewma.observe(rtt / 1e9)
         attempt.reply_size = len(reply.data)
         call = attempt.call
         field = None

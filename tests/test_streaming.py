@@ -412,6 +412,50 @@ def test_held_replies_give_way_when_their_pool_runs_out_of_connections(connectio
         up.close()
     assert sorted(c.outcome for c in done) == ["success"] * (2 + echoes)
 
+def test_time_held_is_not_the_endpoints_latency_for_peak_ewma():
+    """A held reply read whole once a call waits for its connection (as above): the endpoint's
+    latency sample (peak_ewma) leaves out the time it was held for the client's order."""
+    up = SlowFirstBigUpstream(20_000_000, delay=1.5)
+    try:
+        pool = "\n    pool: {max_connections: 2, acquire_timeout: 700ms}"
+        text = _big_config(up.address, extra_cluster=pool).replace("load_balancer: round_robin",
+                                                                    "load_balancer: peak_ewma")
+        with Proxy(text) as p:
+            samples = []
+
+            class Recording:  # the endpoint's estimator, each latency sample noted
+                def __init__(self, inner):
+                    self.inner = inner
+
+                def observe(self, rtt):
+                    samples.append(rtt)
+                    self.inner.observe(rtt)
+
+                def __getattr__(self, name):
+                    return getattr(self.inner, name)
+
+            def record():
+                (ep,) = p.server.clusters["up"].endpoints
+                ep.ewma = Recording(ep.ewma)
+
+            p.call(record)
+            with socket.create_connection(("127.0.0.1", p.port())) as a:
+                a.sendall(request_bytes("framed", "binary", "sleep", 1500, seqid=1)
+                          + request_bytes("framed", "binary", "echo", b"", seqid=2))
+                time.sleep(0.4)  # the echo's reply is held: both connections busy
+                with socket.create_connection(("127.0.0.1", p.port())) as b:
+                    b.sendall(request_bytes("framed", "binary", "ping", seqid=9))
+                    (pong,) = read_messages(b, 1)
+                assert pong.type == MessageType.REPLY
+                replies = read_messages(a, 2, max_size=64 << 20)
+            assert [r.seqid for r in replies] == [1, 2]
+            time.sleep(0.2)
+    finally:
+        up.close()
+    # the sleep (~1.5 s), the ping and the echo (read whole ~0.4 s after its reply began)
+    assert len(samples) == 3 and max(samples) > 1.4, samples
+    assert sorted(samples)[1] < 0.2, samples
+
 def test_client_gone_while_a_reply_is_held_frees_its_upstream_connection():
     """The client leaves while its large reply is held unread: the upstream connection holding
     the rest of it is closed (never handed to another call with a reply half read), and the
