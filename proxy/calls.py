@@ -153,7 +153,7 @@ class Attempt(Exchange):
     __slots__ = ("call", "endpoint", "pool", "upconn", "waiter", "seqid", "name", "number", "timer",
                  "t_acquire", "t_acquired", "t_written", "t_handoff", "t_first_reply", "t_reply", "outcome",
                  "error", "retry_reason", "breaker_state", "reply_size", "span_id", "probe",
-                 "pending", "is_retry", "ended")
+                 "pending", "is_retry", "ended", "held_ns")
 
     def __init__(self, call: Call, endpoint, number: int, t_acquire: int) -> None:
         self.call = call
@@ -182,6 +182,7 @@ class Attempt(Exchange):
         self.pending = False                # counted in the cluster's max_pending
         self.is_retry = number > 1          # counted in the cluster's max_retries
         self.ended = False                  # its outcome is recorded (exactly once)
+        self.held_ns = 0                    # its reply was held unread this long for its turn
 
     @property
     def t_sent(self) -> int:
@@ -211,8 +212,10 @@ class Attempt(Exchange):
 
     def held_for(self, ns: int) -> None:
         # held unread behind the client's earlier calls: the client's doing (client_paused_ms;
-        # the timeouts credit it), as when it holds a streaming reply back by not reading
+        # the timeouts credit it), as when it holds a streaming reply back by not reading; this
+        # attempt's own share is what its per-try timeout and latency sample leave out
         self.call.client_paused_ns += ns
+        self.held_ns += ns
 
     def stream_data(self, data) -> int:
         return self.call.conn.stream_write(self.call, data)

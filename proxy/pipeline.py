@@ -290,9 +290,12 @@ class Pipeline:
     def _arm_per_try(self, attempt: Attempt, per_try: float) -> None:
         """The attempt's per-try deadline, unless the route deadline comes first."""
         at = self.loop.time() + per_try
-        deadline = attempt.call.deadline
+        call = attempt.call
+        deadline = call.deadline
         if not deadline or at <= deadline:
-            attempt.timer = self.loop.call_at(at, self._attempt_timeout, attempt, per_try)
+            # (time the client held earlier attempts' replies back is not this attempt's credit)
+            credited = call.conn.paused_ns(call) if call.client_paused_ns else 0
+            attempt.timer = self.loop.call_at(at, self._attempt_timeout, attempt, per_try, credited)
 
     # 5: write -------------------------------------------------------------------
 
@@ -385,9 +388,8 @@ class Pipeline:
         self._off_connection(attempt)
         if attempt.call.cluster.tracks_latency and attempt.t_written:  # only peak_ewma reads it
             rtt = attempt.t_reply - attempt.t_sent
-            held = attempt.call.client_paused_ns  # (a read-whole reply's: held for its turn first)
-            if held:  # the client's order, not the endpoint's latency (at least its service time)
-                rtt = max(rtt - held, attempt.t_first_reply - attempt.t_sent)
+            if attempt.held_ns:  # held for its turn, then read whole: the client's order, not the
+                rtt = max(rtt - attempt.held_ns, attempt.t_first_reply - attempt.t_sent)  # endpoint's
             attempt.endpoint.ewma.observe(rtt / 1e9)
         attempt.reply_size = len(reply.data)
         call = attempt.call
@@ -527,7 +529,8 @@ class Pipeline:
             # and linkerd's do), or an endpoint that hangs now and then looks fast.
             call = attempt.call
             if call is not None and call.cluster.tracks_latency:
-                attempt.endpoint.ewma.observe(((attempt.t_reply or monotonic_ns()) - attempt.t_sent) / 1e9)
+                took = (attempt.t_reply or monotonic_ns()) - attempt.t_sent - attempt.held_ns
+                attempt.endpoint.ewma.observe(took / 1e9)
         breaker = attempt.endpoint.breaker
         if breaker is not None:
             if outcome is calls.SUCCESS:
@@ -624,9 +627,10 @@ class Pipeline:
                                                  credited, True)
             return
         call = attempt.call
-        if call.streamed or _held(attempt):
+        if call.streamed or attempt.held_ns or _held(attempt):
             # As for the route timeout (_call_timeout): time the client held the stream back (or
-            # its earlier calls held the reply unread) is not the upstream's: the deadline moves.
+            # its earlier calls held the reply unread, even if it was then read whole) is not the
+            # upstream's: the deadline moves.
             paused = call.conn.paused_ns(call)
             if paused > credited:
                 due = timer.when() if timer is not None else self.loop.time()
@@ -666,7 +670,7 @@ class Pipeline:
             # meanwhile is read first (the next poll, in STALL_RECHECK), then the timeout stands.
             call.timer = self.loop.call_later(STALL_RECHECK, self._call_timeout, call, timeout, credited, True)
             return
-        if call.streamed or (call.attempt is not None and _held(call.attempt)):
+        if call.streamed or call.client_paused_ns or (call.attempt is not None and _held(call.attempt)):
             # Time the client held the stream back (not reading) is not the upstream's: the
             # deadline moves by it (a client that stops reading altogether is closed as a write
             # stall after request_read_timeout). As when a reply is read whole: the route

@@ -218,6 +218,7 @@ class RawBigUpstream(RawUpstream):
         self.size = size
         self.die_after = die_after
         self.stall_after: int | None = None
+        self.pace = 0.0  # seconds to wait after each MiB sent
         super().__init__()
 
     def _one(self, c: socket.socket) -> None:
@@ -250,6 +251,8 @@ class RawBigUpstream(RawUpstream):
             if self.stall_after is not None and sent >= self.stall_after:
                 time.sleep(30)  # stops sending (until the proxy gives up and closes)
                 return False
+            if self.pace:
+                time.sleep(self.pace)
         c.sendall(b"\x00")
         return True
 
@@ -411,6 +414,38 @@ def test_held_replies_give_way_when_their_pool_runs_out_of_connections(connectio
     finally:
         up.close()
     assert sorted(c.outcome for c in done) == ["success"] * (2 + echoes)
+
+def test_a_held_reply_read_whole_early_keeps_its_timeout_credit():
+    """A held reply that a waiting call makes read whole early (Pool.acquire) is no longer held
+    nor streamed; the time it was held still does not count against its route timeout (800 ms):
+    held ~0.5 s, then ~0.5 s to read the rest from a slow upstream, done by ~1.1 s."""
+    up = SlowFirstBigUpstream(20_000_000, delay=1.2)
+    up.pace = 0.04  # ~25 MB/s
+    try:
+        pool = "\n    pool: {max_connections: 2, acquire_timeout: 2s}"
+        text = _routes_config(up.address, "        timeout: 800ms\n").replace(
+            "    max_reply_size: 300MiB", "    max_reply_size: 300MiB" + pool)
+        with Proxy(text) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            with socket.create_connection(("127.0.0.1", p.port())) as a:
+                a.sendall(request_bytes("framed", "binary", "sleep", 1200, seqid=1)
+                          + request_bytes("framed", "binary", "echo", b"", seqid=2))
+                time.sleep(0.5)  # the echo's reply is held: both connections busy
+                with socket.create_connection(("127.0.0.1", p.port())) as b:
+                    b.sendall(request_bytes("framed", "binary", "ping", seqid=9))
+                    (pong,) = read_messages(b, 1)
+                assert pong.type == MessageType.REPLY
+                first, second = read_messages(a, 2, max_size=64 << 20)
+            assert (first.seqid, first.type) == (1, MessageType.REPLY)
+            assert (second.seqid, second.type) == (2, MessageType.REPLY), second
+            assert len(second.data) == 20_000_028
+            time.sleep(0.2)
+    finally:
+        up.close()
+    (echo,) = [c for c in done if c.msg.name == "echo"]
+    assert echo.outcome == "success" and not echo.streamed and echo.attempts[0].held_ns >= 400e6
+
 
 def test_time_held_is_not_the_endpoints_latency_for_peak_ewma():
     """A held reply read whole once a call waits for its connection (as above): the endpoint's
