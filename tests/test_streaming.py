@@ -379,6 +379,23 @@ def test_held_reply_times_out_once_the_upstream_stalls_after_its_turn():
     assert echo.streamed and echo.outcome == "may_have_run" and "route timeout" in echo.error
 
 
+def _held_then_ping(port: int, sleep_ms: int, echoes: int = 1, wait: float = 0.4):
+    """Client A pipelines sleep(sleep_ms) and `echoes` echo calls (seqids 2, 3, ...); `wait`
+    seconds later (their replies held, or waiting for connections) another client pings.
+    Returns the ping's reply, how long it took, and A's replies in order."""
+    with socket.create_connection(("127.0.0.1", port)) as a:
+        a.sendall(request_bytes("framed", "binary", "sleep", sleep_ms, seqid=1)
+                  + b"".join(request_bytes("framed", "binary", "echo", b"", seqid=i) for i in range(2, 2 + echoes)))
+        time.sleep(wait)
+        with socket.create_connection(("127.0.0.1", port)) as b:
+            t0 = time.monotonic()
+            b.sendall(request_bytes("framed", "binary", "ping", seqid=9))
+            (pong,) = read_messages(b, 1)
+            took = time.monotonic() - t0
+        replies = read_messages(a, 1 + echoes, max_size=64 << 20)
+    return pong, took, replies
+
+
 @pytest.mark.parametrize("connections, echoes", [(2, 1), (3, 3)])
 def test_held_replies_give_way_when_their_pool_runs_out_of_connections(connections, echoes):
     """Holding a reply unread keeps its upstream connection. A reply is not held while calls
@@ -394,18 +411,9 @@ def test_held_replies_give_way_when_their_pool_runs_out_of_connections(connectio
         with Proxy(_big_config(up.address, extra_cluster=pool)) as p:
             done = []
             p.server.listeners["test"].pipeline.on_complete = done.append
-            with socket.create_connection(("127.0.0.1", p.port())) as a:
-                a.sendall(request_bytes("framed", "binary", "sleep", 1500, seqid=1)
-                          + b"".join(request_bytes("framed", "binary", "echo", b"", seqid=i) for i in seqids))
-                time.sleep(0.4)  # the sleep has a connection, the echoes theirs (held, or waiting)
-                with socket.create_connection(("127.0.0.1", p.port())) as b:
-                    t0 = time.monotonic()
-                    b.sendall(request_bytes("framed", "binary", "ping", seqid=9))
-                    (pong,) = read_messages(b, 1)
-                    took = time.monotonic() - t0
-                assert (pong.seqid, pong.type) == (9, MessageType.REPLY), pong
-                assert took < 0.5, took
-                replies = read_messages(a, 1 + echoes, max_size=64 << 20)
+            pong, took, replies = _held_then_ping(p.port(), 1500, echoes)
+            assert (pong.seqid, pong.type) == (9, MessageType.REPLY), pong
+            assert took < 0.5, took
             assert [(r.seqid, r.type) for r in replies] == [(i, MessageType.REPLY) for i in [1] + seqids]
             assert all(len(r.data) == 20_000_028 for r in replies[1:])
             time.sleep(0.2)
@@ -414,6 +422,7 @@ def test_held_replies_give_way_when_their_pool_runs_out_of_connections(connectio
     finally:
         up.close()
     assert sorted(c.outcome for c in done) == ["success"] * (2 + echoes)
+
 
 def test_a_held_reply_read_whole_early_keeps_its_timeout_credit():
     """A held reply that a waiting call makes read whole early (Pool.acquire) is no longer held
@@ -428,15 +437,8 @@ def test_a_held_reply_read_whole_early_keeps_its_timeout_credit():
         with Proxy(text) as p:
             done = []
             p.server.listeners["test"].pipeline.on_complete = done.append
-            with socket.create_connection(("127.0.0.1", p.port())) as a:
-                a.sendall(request_bytes("framed", "binary", "sleep", 1200, seqid=1)
-                          + request_bytes("framed", "binary", "echo", b"", seqid=2))
-                time.sleep(0.5)  # the echo's reply is held: both connections busy
-                with socket.create_connection(("127.0.0.1", p.port())) as b:
-                    b.sendall(request_bytes("framed", "binary", "ping", seqid=9))
-                    (pong,) = read_messages(b, 1)
-                assert pong.type == MessageType.REPLY
-                first, second = read_messages(a, 2, max_size=64 << 20)
+            pong, _, (first, second) = _held_then_ping(p.port(), 1200, wait=0.5)  # (echo held by then)
+            assert pong.type == MessageType.REPLY
             assert (first.seqid, first.type) == (1, MessageType.REPLY)
             assert (second.seqid, second.type) == (2, MessageType.REPLY), second
             assert len(second.data) == 20_000_028
@@ -474,15 +476,8 @@ def test_time_held_is_not_the_endpoints_latency_for_peak_ewma():
                 ep.ewma = Recording(ep.ewma)
 
             p.call(record)
-            with socket.create_connection(("127.0.0.1", p.port())) as a:
-                a.sendall(request_bytes("framed", "binary", "sleep", 1500, seqid=1)
-                          + request_bytes("framed", "binary", "echo", b"", seqid=2))
-                time.sleep(0.4)  # the echo's reply is held: both connections busy
-                with socket.create_connection(("127.0.0.1", p.port())) as b:
-                    b.sendall(request_bytes("framed", "binary", "ping", seqid=9))
-                    (pong,) = read_messages(b, 1)
-                assert pong.type == MessageType.REPLY
-                replies = read_messages(a, 2, max_size=64 << 20)
+            pong, _, replies = _held_then_ping(p.port(), 1500)  # (echo held by then: both connections busy)
+            assert pong.type == MessageType.REPLY
             assert [r.seqid for r in replies] == [1, 2]
             time.sleep(0.2)
     finally:
