@@ -185,6 +185,12 @@ class Attempt(Exchange):
         self.held_ns = 0                    # its reply was held unread this long for its turn
 
     @property
+    def held(self) -> bool:
+        """Its large reply is held unread until its call is first in line (UpstreamConnection.take_turn)."""
+        conn = self.upconn
+        return conn is not None and conn.turn is not None
+
+    @property
     def t_sent(self) -> int:
         """Where the endpoint's latency (peak_ewma) counts from: the request handed over whole,
         even when write_upstream waits longer for a large one to be taken (`t_handoff`)."""

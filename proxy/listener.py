@@ -582,9 +582,8 @@ class ClientConnection(asyncio.Protocol):
         """`call` is first in line now: if its large reply is held unread, let it come. (The time
         it was held counts as the client's: Attempt.held_for.)"""
         a = call.attempt
-        up = a.upconn if a is not None else None
-        if up is not None and up.turn is not None:
-            up.take_turn()
+        if a is not None and a.held:
+            a.upconn.take_turn()
 
     def stream_begin(self, call: Call, upconn) -> None:
         self.stream_call = call
@@ -599,9 +598,8 @@ class ClientConnection(asyncio.Protocol):
         if self.paused_writing and self.stream_call is call:
             paused += monotonic_ns() - self._paused_at
         a = call.attempt
-        up = a.upconn if a is not None else None
-        if up is not None and up.turn is not None:  # held for its turn (_give_turn)
-            paused += monotonic_ns() - up.turn_since
+        if a is not None and a.held:  # held for its turn (_give_turn)
+            paused += monotonic_ns() - a.upconn.turn_since
         return paused
 
     def stream_write(self, call: Call, data) -> int:

@@ -53,12 +53,6 @@ CLIENT_TIMEOUT_HEADER = "client_timeout"  # ms, as fbthrift carries it
 _MAX_CLIENT_TIMEOUT_MS = 2**31 - 1        # ~24.8 days: any more is "no cap" in practice
 
 
-def _held(attempt: Attempt) -> bool:
-    """The attempt's large reply is held unread until its call is first in line (take_turn)."""
-    conn = attempt.upconn
-    return conn is not None and conn.turn is not None
-
-
 def _client_timeout(value: str) -> float:
     """A THeader client_timeout (ASCII decimal ms) in seconds; 0 when it is not one (ignored).
     Not `int()`, which also takes "1_000", " 200 " and other scripts' digits."""
@@ -294,7 +288,7 @@ class Pipeline:
         deadline = call.deadline
         if not deadline or at <= deadline:
             # (time the client held earlier attempts' replies back is not this attempt's credit)
-            credited = call.conn.paused_ns(call) if call.client_paused_ns else 0
+            credited = call.conn.paused_ns(call)
             attempt.timer = self.loop.call_at(at, self._attempt_timeout, attempt, per_try, credited)
 
     # 5: write -------------------------------------------------------------------
@@ -627,16 +621,15 @@ class Pipeline:
                                                  credited, True)
             return
         call = attempt.call
-        if call.streamed or attempt.held_ns or _held(attempt):
-            # As for the route timeout (_call_timeout): time the client held the stream back (or
-            # its earlier calls held the reply unread, even if it was then read whole) is not the
-            # upstream's: the deadline moves.
-            paused = call.conn.paused_ns(call)
-            if paused > credited:
-                due = timer.when() if timer is not None else self.loop.time()
-                attempt.timer = self.loop.call_at(due + (paused - credited) / 1e9,
-                                                  self._attempt_timeout, attempt, per_try, paused)
-                return
+        # As for the route timeout (_call_timeout): time the client held the stream back (or its
+        # earlier calls held the reply unread, even if it was then read whole) is not the
+        # upstream's: the deadline moves.
+        paused = call.conn.paused_ns(call)
+        if paused > credited:
+            due = timer.when() if timer is not None else self.loop.time()
+            attempt.timer = self.loop.call_at(due + (paused - credited) / 1e9,
+                                              self._attempt_timeout, attempt, per_try, paused)
+            return
         if call.streamed:
             if attempt.upconn is not None:
                 attempt.upconn.abandon()
@@ -670,17 +663,16 @@ class Pipeline:
             # meanwhile is read first (the next poll, in STALL_RECHECK), then the timeout stands.
             call.timer = self.loop.call_later(STALL_RECHECK, self._call_timeout, call, timeout, credited, True)
             return
-        if call.streamed or call.client_paused_ns or (call.attempt is not None and _held(call.attempt)):
-            # Time the client held the stream back (not reading) is not the upstream's: the
-            # deadline moves by it (a client that stops reading altogether is closed as a write
-            # stall after request_read_timeout). As when a reply is read whole: the route
-            # timeout bounds the upstream side of the call, not the client's reading. So is the
-            # time a large reply is held unread behind the client's earlier calls (take_turn).
-            paused = call.conn.paused_ns(call)
-            if paused > credited:
-                call.deadline += (paused - credited) / 1e9
-                call.timer = self.loop.call_at(call.deadline, self._call_timeout, call, timeout, paused)
-                return
+        # Time the client held the stream back (not reading) is not the upstream's: the deadline
+        # moves by it (a client that stops reading altogether is closed as a write stall after
+        # request_read_timeout). As when a reply is read whole: the route timeout bounds the
+        # upstream side of the call, not the client's reading. So is the time a large reply is
+        # held unread behind the client's earlier calls (take_turn), however that hold ended.
+        paused = call.conn.paused_ns(call)
+        if paused > credited:
+            call.deadline += (paused - credited) / 1e9
+            call.timer = self.loop.call_at(call.deadline, self._call_timeout, call, timeout, paused)
+            return
         if call.streamed:
             a = call.attempt
             if a is not None and a.upconn is not None:

@@ -311,9 +311,17 @@ class UpstreamConnection(asyncio.Protocol):
             go = False
         if not go:
             return buf  # read it whole after all
-        self._stream_left = total
-        self._stream_chunk(ex, buf)
+        self._begin_stream(ex, head, buf)
         return None
+
+    def _begin_stream(self, ex: Exchange, head: StreamHead, buf) -> None:
+        """Stream a large reply from its first bytes (framed: `buf`; unframed: the decoder's)."""
+        if head.total is None:
+            first, self._tail = self.decoder.detach_unframed()
+            ex.stream_data(first)
+        else:
+            self._stream_left = head.total
+            self._stream_chunk(ex, buf)
 
     def _hold(self, head: StreamHead, buf) -> bool:
         """Keep a large reply unread until its call's turn (take_turn). Not while calls wait for
@@ -368,14 +376,9 @@ class UpstreamConnection(asyncio.Protocol):
 
     def _go_on(self, ex: Exchange, head: StreamHead, buf, stream: bool) -> None:
         """After a hold: stream the reply from its first bytes, or read it whole; reading resumes."""
-        if head.total is None:  # unframed: the bytes so far are the decoder's
-            if stream:
-                first, self._tail = self.decoder.detach_unframed()
-                ex.stream_data(first)
-        elif stream:
-            self._stream_left = head.total
-            self._stream_chunk(ex, buf)
-        else:
+        if stream:
+            self._begin_stream(ex, head, buf)
+        elif head.total is not None:  # (an unframed reply's bytes so far are the decoder's already)
             self.decoder.feed(buf)  # read it whole (it is larger than these bytes)
         if not self.paused and not self.closed and self.exchange_ is ex and self._splice is None:
             self.transport.resume_reading()
@@ -484,8 +487,7 @@ class UpstreamConnection(asyncio.Protocol):
             return
         if not go or go is WAIT_TURN:
             return  # read it whole after all
-        first, self._tail = dec.detach_unframed()
-        ex.stream_data(first)
+        self._begin_stream(ex, head, None)
 
     def _stream_unframed(self, ex: Exchange, data: bytes) -> None:
         tail = self._tail
