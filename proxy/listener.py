@@ -776,7 +776,17 @@ class ClientConnection(asyncio.Protocol):
         now = monotonic_ns()
         buffered = t.get_write_buffer_size()
         handed = self.bytes_out - buffered
-        acked = handed - unsent_bytes(self.fd)
+        unsent = unsent_bytes(self.fd)
+        acked = handed - unsent
+        if t.is_closing():
+            # A write that failed (the client reset) leaves the transport closing, its buffer
+            # dropped and the socket's queue purged: "nothing unsent" would pass for "all taken"
+            # if this look came before connection_lost (a busy loop's timer can). What left the
+            # socket is the truth here, as in _lost_with_replies_out.
+            sent = sent_bytes(self.fd)
+            if sent is not None:
+                handed = min(handed, sent + unsent)
+                acked = sent
         for end, call in unacked:
             if call.t_handed == 0 and handed >= end:
                 call.t_handed = now

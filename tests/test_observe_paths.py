@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 import time
 
 from thrift.Thrift import TApplicationException
 import pytest
 
-from harness import ThriftServer, client, read_messages, request_bytes
+from harness import Handler, ThriftServer, client, make_users, read_messages, request_bytes, wait_for
 from proxy import spans
 from spans_util import Traced
 from test_tracing_live import PARENT_ID, TRACE_ID
@@ -175,12 +176,52 @@ def test_calls_behind_a_broken_stream_are_not_delivered_not_client_gone():
     assert stats["client_gone"] == 0
 
 
+class _Gated(Handler):
+    """Its `sleep` and `get_users` answer only once the test opens the gate (not after a fixed
+    time: a loaded machine once let a 300 ms sleep end before the client's reset was sent, and
+    the reply was then rightly recorded as delivered)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def _hit(self, method: str = "") -> None:
+        super()._hit(method)
+        self.entered.set()
+        self.gate.wait(10.0)
+
+    def sleep(self, ms):
+        self._hit()
+        return ms
+
+    def get_users(self, count, sleep_ms):
+        self._hit()
+        return make_users(count)
+
+
+@pytest.mark.parametrize("loop", ["idle", "busy"])
 @pytest.mark.parametrize("reply", ["small", "large"])
-def test_a_reply_to_a_client_that_half_closed_then_vanished_is_not_delivered(reply):
+def test_a_reply_to_a_client_that_half_closed_then_vanished_is_not_delivered(reply, loop, monkeypatch):
     """A client sends a slow call, half-closes (FIN: it is still answered), then resets before
     the reply. Writing the reply fails: the call is recorded as not delivered (traced as failed),
-    not as a success the client never got. Before: delivered, and no trace kept."""
-    up = ThriftServer()
+    not as a success the client never got. Before: delivered, and no trace kept.
+
+    `busy`: the loop stays busy 5 ms after the reply is written, as a loaded machine makes it, so
+    the first ack look (a 1 ms timer) runs before connection_lost. Before: that look saw the
+    reset socket's empty queue as "all taken" and recorded the call as delivered."""
+    if loop == "busy":
+        import proxy.listener
+
+        call_done = proxy.listener.ClientConnection.call_done
+
+        def busy_after(self, call):
+            call_done(self, call)
+            time.sleep(0.005)
+
+        monkeypatch.setattr(proxy.listener.ClientConnection, "call_done", busy_after)
+    handler = _Gated()
+    up = ThriftServer(handler=handler)
     try:
         with Traced(_cfg(up.address), ratio=0.0) as t:
             s = socket.create_connection(("127.0.0.1", t.port()))
@@ -189,12 +230,16 @@ def test_a_reply_to_a_client_that_half_closed_then_vanished_is_not_delivered(rep
             else:  # (500 users: a ~90 KB reply, more than one write's worth)
                 s.sendall(request_bytes("framed", "binary", "get_users", 500, 300, seqid=7))
             s.shutdown(socket.SHUT_WR)
-            time.sleep(0.1)  # the proxy saw the FIN and goes on with the call
+            assert handler.entered.wait(10.0), "the call never reached the upstream"
+            conns = t.proxy.server.listeners["test"].connections
+            wait_for(lambda: [c.closing for c in list(conns)] == [True], what="the proxy to see the FIN")
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RST)
             s.close()  # RST: the reply, when it comes, has nowhere to go
+            handler.gate.set()  # (the reset is on the proxy's socket once close() returns)
             (call,) = t.wait_calls(1, timeout=10.0)
             stats = t.proxy.server.listeners["test"].pipeline.stats
     finally:
+        handler.gate.set()
         up.stop()
     assert call.attrs[spans.ERROR_TYPE] == "not_delivered", call.attrs
     assert "the client's connection broke before it took the reply" in call.server.status.description
