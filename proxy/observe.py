@@ -16,9 +16,10 @@ from time import monotonic_ns
 
 from proxy.looplag import LoopLagMonitor
 from proxy.metrics import ServiceMetrics, call_end, call_outcome
+from proxy.tracecontext import B3_HEADERS
 
 access_log = logging.getLogger("proxy.access")
-_TRACE_HEADERS = ("traceparent", "tracestate")
+_TRACE_HEADERS = ("traceparent", "tracestate") + B3_HEADERS
 
 
 def _ms(a: int, b: int) -> float | None:
@@ -87,8 +88,8 @@ class TraceHooks:
         self.telemetry.begin(call)
 
     def send(self, attempt, headers: dict) -> None:
-        """Ours replace the client's trace headers, whatever their case (a client's traceparent
-        and tracestate were read, kept or dropped, by `telemetry.begin`; sending them on beside
+        """Ours replace the client's trace headers, whatever their case (a client's traceparent,
+        tracestate and B3 were read, kept or dropped, by `telemetry.begin`; sending them on beside
         ours would give the upstream two conflicting parents)."""
         for key in [k for k in headers if k.lower() in _TRACE_HEADERS]:
             del headers[key]

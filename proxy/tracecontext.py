@@ -2,11 +2,15 @@
 
 Owns: parsing W3C `traceparent`/`tracestate` and B3 (the single `b3` header and the multi
 `x-b3-*` headers) from a THeader info-header dict, the head sampling decision for a call, and
-the `traceparent` put on an upstream THeader request. Leaves to others: building spans
+the trace headers put on an upstream THeader request. Leaves to others: building spans
 (`proxy.telemetry`), re-encoding the THeader block (`proxy.codec`).
 
     ctx = start(msg.headers, rng, sample_ratio)   # per call: trace id, SERVER span id, head decision
     headers = inject(ctx, attempt.span_id)        # per attempt: {"traceparent": ..., "tracestate": ...}
+
+Upstream, a `traceparent` always; B3 too, in the form(s) the client sent (single `b3`, multi
+`x-b3-*`; its trace-id width; debug kept), rewritten to our CLIENT span: an upstream that reads B3
+first would otherwise parent its span on the client's and skip the proxy's, and see two parents.
 
 Precedence: `traceparent`, then `b3`, then `x-b3-*`. An invalid value is ignored as if absent
 (the call starts a new trace, `new_trace` = True); a `tracestate` only travels with a valid
@@ -20,10 +24,11 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["Parent", "TraceContext", "inject", "new_id", "parse", "start"]
+__all__ = ["B3_HEADERS", "B3Form", "Parent", "TraceContext", "inject", "new_id", "parse", "start"]
 
 _HEX = frozenset("0123456789abcdef")
 MAX_TRACESTATE = 512  # W3C: propagate at least 512 characters; longer values are dropped whole
+B3_HEADERS = ("b3", "x-b3-traceid", "x-b3-spanid", "x-b3-parentspanid", "x-b3-sampled", "x-b3-flags")
 
 
 class Parent:
@@ -42,14 +47,32 @@ class Parent:
                 f"tracestate={self.tracestate!r})")
 
 
+class B3Form:
+    """How the client sent B3, so the upstream gets ours the same way: which headers (single,
+    multi, or both), the trace id's width (16 hex: a 64-bit id, for tracers that know no other),
+    and debug (`d` / `x-b3-flags: 1`, which also means sampled)."""
+
+    __slots__ = ("single", "multi", "width", "debug")
+
+    def __init__(self, single: bool, multi: bool, width: int, debug: bool) -> None:
+        self.single = single
+        self.multi = multi
+        self.width = width
+        self.debug = debug
+
+    def __repr__(self) -> str:
+        return f"B3Form(single={self.single}, multi={self.multi}, width={self.width}, debug={self.debug})"
+
+
 class TraceContext:
     """One call's place in a trace: set once at the start of the call, never changed after."""
 
     __slots__ = ("trace_id", "span_id", "parent_span_id", "sampled", "tracestate", "new_trace",
-                 "parent_sampled")
+                 "parent_sampled", "b3")
 
     def __init__(self, trace_id: int, span_id: int, parent_span_id: int, sampled: bool,
-                 tracestate: str, new_trace: bool, parent_sampled: bool | None = None) -> None:
+                 tracestate: str, new_trace: bool, parent_sampled: bool | None = None,
+                 b3: B3Form | None = None) -> None:
         self.trace_id = trace_id
         self.span_id = span_id                # the SERVER span
         self.parent_span_id = parent_span_id  # the client's span (0 = none)
@@ -57,6 +80,7 @@ class TraceContext:
         self.tracestate = tracestate
         self.new_trace = new_trace            # the client sent no (valid) trace context
         self.parent_sampled = parent_sampled  # what the client said (None = nothing)
+        self.b3 = b3                          # the client's B3 headers' form (None = it sent none)
 
     def __repr__(self) -> str:
         return (f"TraceContext({self.trace_id:032x}, span={self.span_id:016x}, "
@@ -149,7 +173,10 @@ def parse(headers: dict[str, str]) -> Parent | None:
     """The client's trace context from THeader info headers, or None when there is none (valid)."""
     if not headers:
         return None
-    h = {k.lower(): v for k, v in headers.items()}
+    return _parse({k.lower(): v for k, v in headers.items()})
+
+
+def _parse(h: dict[str, str]) -> Parent | None:
     v = h.get("traceparent")
     if v is not None:
         p = _traceparent(v, h.get("tracestate"))
@@ -165,9 +192,31 @@ def parse(headers: dict[str, str]) -> Parent | None:
     return None
 
 
+def _b3_form(h: dict[str, str]) -> B3Form | None:
+    """The form of whatever B3 headers the client sent, valid or not (ours replace them all)."""
+    single = "b3" in h
+    multi = any(k in h for k in B3_HEADERS[1:])
+    if not single and not multi:
+        return None
+    if single:
+        parts = h["b3"].strip().lower().split("-")
+        width = 16 if len(parts) > 1 and len(parts[0]) == 16 else 32
+        debug = (parts[2] if len(parts) > 2 else parts[0]) == "d"
+    else:
+        width = 16 if len(h.get("x-b3-traceid", "").strip()) == 16 else 32
+        debug = False
+    if multi:
+        debug = debug or h.get("x-b3-flags", "").strip() == "1"
+    return B3Form(single, multi, width, debug)
+
+
 def start(headers: dict[str, str] | None, rng, sample_ratio: float) -> TraceContext:
     """The call's trace context: the client's trace (or a new one), our SERVER span, the decision."""
-    parent = parse(headers) if headers else None
+    parent = b3 = None
+    if headers:
+        h = {k.lower(): v for k, v in headers.items()}
+        parent = _parse(h)
+        b3 = _b3_form(h)
     if parent is not None and parent.sampled is not None:
         sampled = parent.sampled
     else:
@@ -175,14 +224,31 @@ def start(headers: dict[str, str] | None, rng, sample_ratio: float) -> TraceCont
     span_id = new_id(rng)
     if parent is None or not parent.trace_id:
         return TraceContext(new_id(rng, 128), span_id, 0, sampled, "", True,
-                            None if parent is None else parent.sampled)
+                            None if parent is None else parent.sampled, b3)
     return TraceContext(parent.trace_id, span_id, parent.span_id, sampled, parent.tracestate, False,
-                        parent.sampled)
+                        parent.sampled, b3)
 
 
 def inject(ctx: TraceContext, span_id: int) -> dict[str, str]:
-    """Headers for the upstream THeader request: our CLIENT span as parent, our head decision."""
+    """Headers for the upstream THeader request: our CLIENT span (`span_id`) as parent, our head
+    decision; B3 as well when the client sent B3 (its parent span id: our SERVER span)."""
     headers = {"traceparent": f"00-{ctx.trace_id:032x}-{span_id:016x}-{'01' if ctx.sampled else '00'}"}
     if ctx.tracestate:
         headers["tracestate"] = ctx.tracestate
+    b3 = ctx.b3
+    if b3 is not None:
+        tid = ctx.trace_id
+        trace = f"{tid:016x}" if b3.width == 16 and tid < 1 << 64 else f"{tid:032x}"
+        span, parent = f"{span_id:016x}", f"{ctx.span_id:016x}"
+        if b3.single:
+            state = "d" if b3.debug else "1" if ctx.sampled else "0"
+            headers["b3"] = f"{trace}-{span}-{state}-{parent}"
+        if b3.multi:
+            headers["x-b3-traceid"] = trace
+            headers["x-b3-spanid"] = span
+            headers["x-b3-parentspanid"] = parent
+            if b3.debug:
+                headers["x-b3-flags"] = "1"  # (debug implies sampled: B3 says send no x-b3-sampled)
+            else:
+                headers["x-b3-sampled"] = "1" if ctx.sampled else "0"
     return headers

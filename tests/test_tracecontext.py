@@ -113,6 +113,62 @@ def test_b3_multi():
     assert parse(bad) is None and start(bad, rng(), 0.0).new_trace
 
 
+def _b3_out(headers: dict, ratio: float = 0.0, span_id: int = 0xABC):
+    ctx = start(headers, rng(), ratio)
+    return ctx, inject(ctx, span_id)
+
+
+def test_no_b3_in_means_no_b3_out():
+    for headers in ({}, {"traceparent": TP}, {"x": "y"}):
+        _, out = _b3_out(headers)
+        assert set(out) <= {"traceparent", "tracestate"}
+
+
+def test_b3_single_goes_upstream_as_ours_in_its_form():
+    ctx, out = _b3_out({"b3": "80f198ee56343ba864fe8b2a57d3eff7-e457b5a2e4d86bd1-1-05e3ac9a4f6e3b90"})
+    assert out["b3"] == f"80f198ee56343ba864fe8b2a57d3eff7-{0xABC:016x}-1-{ctx.span_id:016x}"
+    assert not any(k.startswith("x-b3-") for k in out)
+    assert parse({"b3": out["b3"]}).span_id == 0xABC  # the upstream's parent: our CLIENT span
+    # a 64-bit trace id stays 64-bit; debug stays debug; an unsampled call says 0
+    _, out = _b3_out({"b3": "64fe8b2a57d3eff7-e457b5a2e4d86bd1-d"})
+    assert out["b3"].startswith("64fe8b2a57d3eff7-0000000000000abc-d-")
+    _, out = _b3_out({"b3": "64fe8b2a57d3eff7-e457b5a2e4d86bd1-0"}, ratio=1.0)
+    assert out["b3"].split("-")[2] == "0"  # the client's decision, whatever the ratio
+
+
+def test_b3_decision_only_goes_upstream_with_the_new_traces_ids():
+    ctx, out = _b3_out({"b3": "1"})
+    trace, span, state, parent = out["b3"].split("-")
+    assert (int(trace, 16), int(span, 16), state, int(parent, 16)) == (ctx.trace_id, 0xABC, "1", ctx.span_id)
+    assert len(trace) == 32
+
+
+def test_b3_multi_goes_upstream_as_ours_whatever_the_clients_case():
+    ctx, out = _b3_out({"X-B3-TraceId": "463ac35c9f6413ad", "X-B3-SpanId": "a2fb4a1d1a96d312",
+                        "X-B3-ParentSpanId": "05e3ac9a4f6e3b90", "X-B3-Sampled": "0"}, ratio=1.0)
+    assert out["x-b3-traceid"] == "463ac35c9f6413ad"
+    assert out["x-b3-spanid"] == f"{0xABC:016x}"
+    assert out["x-b3-parentspanid"] == f"{ctx.span_id:016x}"
+    assert out["x-b3-sampled"] == "0" and "x-b3-flags" not in out and "b3" not in out
+    _, out = _b3_out({"x-b3-traceid": "463ac35c9f6413ad", "x-b3-spanid": "a2fb4a1d1a96d312", "x-b3-flags": "1"})
+    assert out["x-b3-flags"] == "1" and "x-b3-sampled" not in out  # debug: B3 sends no sampled with it
+
+
+def test_b3_beside_a_traceparent_carries_the_traceparents_trace():
+    """The traceparent wins: the B3 headers sent on must name the same trace and decision, not
+    the client's (an upstream reading B3 first would see another trace)."""
+    ctx, out = _b3_out({"traceparent": TP, "b3": "64fe8b2a57d3eff7-e457b5a2e4d86bd1-0"})
+    assert ctx.trace_id == TID and ctx.sampled
+    assert out["b3"] == f"{TID:032x}-{0xABC:016x}-1-{ctx.span_id:016x}"  # (128-bit: not cut to 16)
+
+
+def test_an_invalid_b3_is_replaced_by_ours():
+    ctx, out = _b3_out({"b3": "garbage-value", "x-b3-spanid": "zz"})
+    assert ctx.new_trace
+    assert parse({"b3": out["b3"]}).trace_id == ctx.trace_id
+    assert out["x-b3-traceid"] == f"{ctx.trace_id:032x}"
+
+
 def test_traceparent_wins_over_b3_and_invalid_traceparent_falls_back():
     b3 = "80f198ee56343ba864fe8b2a57d3eff7-e457b5a2e4d86bd1-0"
     assert parse({"traceparent": TP, "b3": b3}).trace_id == TID

@@ -701,6 +701,47 @@ def test_theader_traceparent_joins_the_trace_and_travels_upstream(flag):
         assert cl.context.span_id == int(span, 16)
 
 
+B3_SPAN = "e457b5a2e4d86bd1"
+
+
+@pytest.mark.parametrize("form", ["single", "multi"])
+def test_theader_b3_is_rewritten_to_the_proxys_span_upstream(form):
+    """A client that sends B3 (here a 64-bit trace id): the upstream gets B3 in the same form,
+    naming our CLIENT span as its parent, our SERVER span as that one's, and the same trace as
+    the traceparent beside it. Before: the client's B3 went on unchanged, so an upstream that
+    reads B3 first parented its span on the client's and the proxy's spans fell out of its tree."""
+    up = HeaderServer(framing="header", handler=HeaderRecorder())
+    text = cfg([up], transport="header", cluster_transport="header")
+    sent = ({"b3": f"{TRACE_ID[16:]}-{B3_SPAN}-1"} if form == "single" else
+            {"X-B3-TraceId": TRACE_ID[16:], "X-B3-SpanId": B3_SPAN, "X-B3-Sampled": "1"})
+    try:
+        with Traced(text, ratio=0.0) as t:
+            with client(t.port(), "header") as c:
+                for k, v in sent.items():
+                    c.header_protocol.set_header(k.encode(), v.encode())
+                assert c.lookup("b3") == "header-up:b3"
+            (call,) = t.wait_calls(1)
+    finally:
+        up.stop()
+    (h,) = up.handler.seen
+    b3_keys = sorted(k for k in h if k.lower() == "b3" or k.lower().startswith("x-b3-"))
+    [cl] = call.clients
+    server = call.server
+    assert server.context.trace_id == int(TRACE_ID[16:], 16)
+    assert server.parent.span_id == int(B3_SPAN, 16)
+    ours = (TRACE_ID[16:], f"{cl.context.span_id:016x}", f"{server.context.span_id:016x}")
+    if form == "single":
+        assert b3_keys == ["b3"]
+        trace, span, state, parent = h["b3"].split("-")
+        assert (trace, span, parent) == ours and state == "1"
+    else:
+        assert b3_keys == ["x-b3-parentspanid", "x-b3-sampled", "x-b3-spanid", "x-b3-traceid"]
+        assert (h["x-b3-traceid"], h["x-b3-spanid"], h["x-b3-parentspanid"]) == ours
+        assert h["x-b3-sampled"] == "1"
+    _, trace, span, flags = h["traceparent"].split("-")
+    assert (int(trace, 16), span, flags) == (int(TRACE_ID[16:], 16), ours[1], "01")
+
+
 def test_theader_upstream_gets_a_new_trace_for_a_plain_client():
     up = HeaderServer(framing="header", handler=HeaderRecorder())
     text = cfg([up], transport="framed", cluster_transport="header")
