@@ -14,7 +14,11 @@ watched file) picks up rotated certificates; running connections keep the
 context they were opened with until they close.
 
 A wrong CA or server name fails the TLS handshake inside the pool's connect,
-which the pool reports as "not sent" and logs with the handshake's reason.
+which the pool reports as "not sent" and logs with the handshake's reason. An
+upstream that refuses the proxy's own credentials (no client certificate, or one
+it does not trust) does so with a TLS alert after the proxy's side of a TLS 1.3
+handshake is done, so after the request was written: `refusal` names those
+alerts, and the call is still "not sent" (the service never saw it).
 """
 
 from __future__ import annotations
@@ -53,6 +57,23 @@ def client_context(tls: cfgmod.Tls, cluster: str = "?") -> ssl.SSLContext:
         except (OSError, ssl.SSLError) as e:
             raise TlsError(cluster, "cert", f"{tls.cert} / tls.key {tls.key}: {_reason(e)}") from None
     return ctx
+
+
+# TLS alerts with which a server refuses the client itself (its certificate, or the lack of
+# one). They end the handshake on the server's side: nothing the client wrote reached the service.
+_REFUSALS = frozenset({
+    "TLSV13_ALERT_CERTIFICATE_REQUIRED", "SSLV3_ALERT_BAD_CERTIFICATE", "SSLV3_ALERT_UNSUPPORTED_CERTIFICATE",
+    "SSLV3_ALERT_CERTIFICATE_REVOKED", "SSLV3_ALERT_CERTIFICATE_EXPIRED", "SSLV3_ALERT_CERTIFICATE_UNKNOWN",
+    "TLSV1_ALERT_UNKNOWN_CA", "TLSV1_ALERT_ACCESS_DENIED", "SSLV3_ALERT_HANDSHAKE_FAILURE",
+})
+
+
+def refusal(exc: BaseException | None) -> str | None:
+    """The alert, as text ("tlsv13 alert certificate required"), when `exc` is a server refusing
+    the proxy's TLS credentials; None for anything else."""
+    if isinstance(exc, ssl.SSLError) and exc.reason in _REFUSALS:
+        return exc.reason.lower().replace("_", " ")
+    return None
 
 
 def _reason(e: Exception) -> str:

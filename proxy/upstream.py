@@ -45,6 +45,7 @@ from proxy.codec.stream import UnframedStream
 from proxy.codec.theader import parse_header_block
 from proxy import splice
 from proxy.sockets import set_nodelay, unread_bytes, unsent_bytes
+from proxy.tls import refusal
 
 _I32 = struct.Struct("!i")
 PROBE_MAX = 64 * 1024  # bytes gathered to read a large reply's head before deciding to stream it
@@ -567,6 +568,12 @@ class UpstreamConnection(asyncio.Protocol):
         if ex is not None:
             self.exchange_ = None
             self._stream_cut(ex)
+            alert = refusal(exc)
+            if alert is not None:  # (TLS 1.3: the refusal comes after our side's handshake)
+                log.warning("upstream %s refused the proxy's TLS connection: %s", self.label, alert)
+                ex.on_failure(UpstreamError(f"{self.label} refused the TLS connection ({alert}): "
+                                            "the request never reached the service", written=False))
+                return
             why = f": {exc}" if exc else ""
             when = "while the request was being written" if self.upload is not None else "after the request was written"
             ex.on_failure(UpstreamError(f"connection to {self.label} lost {when}{why}", written=True))

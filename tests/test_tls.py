@@ -143,19 +143,46 @@ def test_calls_over_mutual_tls(pki):
         up.stop()
 
 
-def test_mutual_tls_server_refuses_a_proxy_without_a_client_cert(pki):
+def test_mutual_tls_server_refuses_a_proxy_without_a_client_cert(pki, caplog):
+    """TLS 1.3: the server checks the client certificate after the client's side of the handshake
+    is done, so its refusal (an alert) comes after the request was written. The service never saw
+    the call: "not sent", naming the alert. Before: "may have run: connection ... lost after the
+    request was written", which also forbade retrying a method not declared idempotent."""
     up = TlsThriftServer(server_ctx(pki, require_client_cert=True), name="mtls-up")
     try:
         yaml = tls_yaml(ca=pki / "ca.pem", server_name="users.internal")
         with Proxy(config_text([up.address], extra_cluster=yaml)) as p, client(p.port()) as c:
-            with pytest.raises(TApplicationException) as e:
-                c.lookup("x")
-            # TLS 1.3: the server checks the client certificate after the client's handshake
-            # is done, so the refusal may arrive after the request was written.
-            assert e.value.message.startswith(("thrift-sidecar: not sent:", "thrift-sidecar: may have run:"))
+            with caplog.at_level(logging.WARNING, logger="proxy.upstream"):
+                with pytest.raises(TApplicationException) as e:
+                    c.lookup("x")
         assert up.handler.calls == 0 and up.handshake_errors
     finally:
         up.stop()
+    msg = e.value.message
+    if msg.startswith("thrift-sidecar: not sent: connect to"):  # (TLS 1.2, or the alert came first)
+        return
+    assert msg == (f"thrift-sidecar: not sent: {up.address} refused the TLS connection (tlsv13 alert "
+                   "certificate required): the request never reached the service"), msg
+    assert "refused the proxy's TLS connection: tlsv13 alert certificate required" in caplog.text
+
+
+def test_a_refused_tls_connection_is_retried_on_another_endpoint_for_any_method(pki):
+    """The refusal is "not sent", so a retry is safe whatever the method: the call goes to the
+    endpoint that accepts the proxy (the upstream that refused saw no call)."""
+    strict = TlsThriftServer(server_ctx(pki, require_client_cert=True), name="strict")
+    open_ = TlsThriftServer(server_ctx(pki, require_client_cert=False), name="open")
+    try:
+        yaml = tls_yaml(ca=pki / "ca.pem", server_name="users.internal")
+        text = config_text([strict.address, open_.address], extra_cluster=yaml).replace(
+            "      - cluster: up", "      - cluster: up\n        retry: {attempts: 2}")
+        with Proxy(text) as p, client(p.port()) as c:
+            for i in range(4):
+                assert c.lookup(f"k{i}") == f"open:k{i}"
+        assert strict.handler.calls == 0 and strict.handshake_errors
+        assert open_.handler.calls == 4
+    finally:
+        strict.stop()
+        open_.stop()
 
 
 @pytest.mark.parametrize("case,why", [
