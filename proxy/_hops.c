@@ -38,7 +38,7 @@ static Py_ssize_t HOP[N_HOPS];       /* each hop's index into hops and sums */
 static PyObject *PURE;               /* proxy.metrics.pure_record_hops */
 
 static PyObject *S_t_start, *S_t_framed, *S_attempts, *S_t_acquire, *S_t_acquired, *S_t_written,
-    *S_t_first_reply, *S_t_reply, *S_backoffs, *S_t_done, *S_t_write, *S_t_acked, *S_t_handed, *S_waited;
+    *S_t_first_reply, *S_t_reply, *S_backoffs, *S_t_done, *S_t_write, *S_t_acked, *S_t_handed, *S_waited, *S_held_ns;
 
 enum { OK = 0, ERROR = -1, PURE_PATH = 1 };
 
@@ -118,7 +118,7 @@ read_samples(PyObject *call, Samples *out)
 {
     int rc = OK;
     PyObject *attempts = NULL, *backoffs = NULL, *item = NULL;
-    long long t0, t1, t2, first;
+    long long t0, t1, t2, first, held;
     int waited;
 
     TRY(get_ns(call, S_t_start, &t0));
@@ -160,8 +160,18 @@ read_samples(PyObject *call, Samples *out)
                     first = t2 ? t2 : t1;   /* t_first_reply or t_reply */
                     if (first >= t0) {
                         TRY(add(out, H_SERVICE_TIME, t0, first));
-                        if (t2 && t1 >= t2)
+                        if (t2 && t1 >= t2) {
+                            TRY(get_ns(item, S_held_ns, &held));
+                            if (held > 0) {  /* held unread for its turn: that wait is queued */
+                                if (__builtin_add_overflow(t2, held, &first))
+                                    TRY(PURE_PATH);
+                                if (first > t1)
+                                    first = t1;
+                                TRY(add(out, H_QUEUED, t2, first));
+                                t2 = first;
+                            }
                             TRY(add(out, H_READ_RESPONSE, t2, t1));
+                        }
                     }
                 }
             }
@@ -397,5 +407,6 @@ PyInit__hops(void)
     INTERN(t_acked);
     INTERN(t_handed);
     INTERN(waited);
+    INTERN(held_ns);
     return PyModule_Create(&hops_module);
 }

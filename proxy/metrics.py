@@ -21,8 +21,9 @@ Metrics (all durations in seconds; buckets `BUCKETS`, 25 µs ... 30 s):
         call (attempt hops `acquire`, `write_upstream`, `service_time`, `read_response` and
         `backoff` once per attempt/retry); a hop whose timestamps are missing is not sampled.
         The same hops, from the same timestamps, as the call's spans (`proxy.telemetry`): `queued`
-        only for a reply that waited behind an earlier pipelined one; `write_response` from the
-        first reply byte written (a streamed reply's overlaps `read_response`)
+        only for a reply that waited behind an earlier pipelined one (also a large reply held
+        unread for its turn: from its first byte until then, and `read_response` from there);
+        `write_response` from the first reply byte written (a streamed reply's overlaps `read_response`)
     thrift_sidecar_call_duration_seconds{service,method}      histogram: the SERVER span, first
         request byte → the client has the reply, none of it left unsent (oneway: → request written upstream)
     thrift_sidecar_calls_total{service,method,outcome}        counter: outcome as in `proxy.calls`
@@ -163,6 +164,11 @@ def pure_record_hops(hops: list[list[int]], sums: list[int], call) -> None:
         sample(_SERVICE_TIME, first - t0)
         t0, t1 = a.t_first_reply, a.t_reply
         if t0 and t1 >= t0:
+            held = a.held_ns
+            if held > 0:  # a large reply held unread for its turn: that wait is queued, not reading
+                r0 = min(t0 + held, t1)
+                sample(_QUEUED, r0 - t0)
+                t0 = r0
             sample(_READ_RESPONSE, t1 - t0)
     for t0, t1 in call.backoffs:
         if t0 and t1 >= t0:

@@ -310,7 +310,8 @@ class Telemetry:
             a[spans.ONEWAY] = True
         if call.streamed:
             a[spans.STREAMED] = True
-            a[spans.CLIENT_PAUSED_MS] = _ms(call.client_paused_ns)
+            # (less the turns its reply was held for: `queued`, not the stream's pauses)
+            a[spans.CLIENT_PAUSED_MS] = _ms(call.client_paused_ns - sum(x.held_ns for x in attempts))
             a[spans.UPSTREAM_WAIT_MS] = _ms(call.upstream_wait_ns)
         if call.upload is not None:
             a[spans.REQUEST_STREAMED] = True
@@ -411,5 +412,11 @@ class Telemetry:
                     out.append((spans.SERVICE_TIME, (rand(64) or 1), client_id, False, INTERNAL, t_written + off,
                                 s1 + off, None, None))
                     if t_first and t_reply >= t_first:
+                        held = att.held_ns
+                        if held > 0:  # a large reply held unread for its turn: that wait is queued
+                            r0 = min(t_first + held, t_reply)  # (as proxy.metrics.pure_record_hops)
+                            out.append((spans.QUEUED, (rand(64) or 1), server_id, False, INTERNAL, t_first + off,
+                                        r0 + off, None, None))
+                            t_first = r0
                         out.append((spans.READ_RESPONSE, (rand(64) or 1), client_id, False, INTERNAL, t_first + off,
                                     t_reply + off, None, None))

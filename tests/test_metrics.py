@@ -193,8 +193,9 @@ _pool = st.sampled_from([0, _BASE, _BASE + 1, _BASE + 24_999, _BASE + 25_000, _B
                          _BASE + 30 * 10**9, _BASE + 30 * 10**9 + 1, _BASE + 10**6])
 _odd = st.sampled_from([-5, -2**63, 2**63 - 1, 2**64, 2**70, 1.5, True])
 _ns = _pool | _pool | _pool | _odd
-_attempt = st.fixed_dictionaries({k: _ns for k in ("t_acquire", "t_acquired", "t_written", "t_first_reply",
-                                                   "t_reply")})
+_attempt = st.fixed_dictionaries({**{k: _ns for k in ("t_acquire", "t_acquired", "t_written", "t_first_reply",
+                                                     "t_reply")},
+                                   "held_ns": st.sampled_from([0, 0, 0, 1, 10**6, 30 * 10**9]) | _odd})
 _waited = st.sampled_from([False, True, True, 0, 1, None])  # a plain bool, else the pure path
 _call = st.fixed_dictionaries({**{k: _ns for k in ("t_start", "t_framed", "t_done", "t_write", "t_handed",
                                                    "t_acked")}, "waited": _waited}).flatmap(
@@ -335,6 +336,18 @@ def _span_hops(call) -> dict[str, tuple[int, int]]:
     return out
 
 
+def _held_for_its_turn():
+    """A 15 MB reply behind a slow pipelined call: held unread 400 ms for its turn, then streamed."""
+    c = fx.call_streamed()
+    a = c.attempts[0]
+    a.held_ns = fx.ms(400)
+    c.client_paused_ns += a.held_ns  # (the hold is credited as the client's: Attempt.held_for)
+    a.t_reply += a.held_ns
+    c.t_write += a.held_ns
+    c.t_done, c.t_handed, c.t_acked = a.t_reply, a.t_reply + fx.ms(0.5), a.t_reply + fx.ms(40)
+    return c
+
+
 def _streamed_slow_reader():
     """s5b: a 13.8 MB reply streamed to a client reading for 8.6 s; the upstream sent it in 6.7 s."""
     c = fx.call_streamed()
@@ -349,7 +362,7 @@ def _streamed_slow_reader():
 AGREE = {
     "success": fx.call_success, "declared": fx.call_declared, "retry": fx.call_retry,
     "timeout": fx.call_timeout, "queued": fx.call_queued, "oneway": fx.call_oneway,
-    "streamed": fx.call_streamed, "streamed_slow_reader": _streamed_slow_reader,
+    "streamed": fx.call_streamed, "streamed_slow_reader": _streamed_slow_reader, "held": _held_for_its_turn,
     "acquire_timeout": fx.call_acquire_timeout, "connect_timeout_retry": fx.call_connect_timeout_retry,
     "gone_while_waiting": fx.call_gone_while_waiting, "never_read": fx.call_never_read,
 }
@@ -368,6 +381,18 @@ def test_metrics_and_spans_agree_on_every_hop(shape, record):
     sample, its span only when the reply waited behind an earlier one."""
     call = AGREE[shape]()
     assert _metric_hops(record, call) == _span_hops(call)
+
+
+@pytest.mark.parametrize("record", IMPLS)
+def test_a_reply_held_for_its_turn_is_queued_not_read_response(record):
+    """The hold (first reply byte → its turn) is the wait behind the client's earlier calls:
+    `queued`, in the histograms as in the spans; `read_response` is the stream after it. Before:
+    read_response took the 400 ms, as if the upstream had been slow to send."""
+    call = _held_for_its_turn()
+    hops = _metric_hops(record, call)
+    assert hops["queued"] == (1, fx.ms(400))
+    assert hops["read_response"] == (1, fx.ms(300))
+    assert hops == _span_hops(call)
 
 
 @pytest.mark.parametrize("record", IMPLS)

@@ -353,6 +353,37 @@ def test_time_held_for_its_turn_does_not_count_against_the_timeouts(which):
     assert echo.streamed and echo.outcome == "success" and echo.client_paused_ns >= 500e6
 
 
+def test_time_held_for_its_turn_is_queued_in_the_spans_not_read_response():
+    """The echo's 24 MB reply is held ~600 ms behind the client's slow call, then streams. That
+    wait is the `queued` hop (the client's earlier call), not `read_response` (the upstream had
+    sent its first bytes at once) nor the stream's client_paused_ms. Before: read_response took
+    the 600 ms, and `thrift-sidecar hops` blamed the upstream."""
+    from proxy import spans
+    from spans_util import Traced
+
+    up = SlowFirstBigUpstream(24_000_000, delay=0.6)  # past the 16 MiB budget: held unread
+    try:
+        with Traced(_routes_config(up.address, ""), ratio=1.0) as t:
+            with socket.create_connection(("127.0.0.1", t.port())) as s:
+                s.sendall(request_bytes("framed", "binary", "sleep", 600, seqid=1)
+                          + request_bytes("framed", "binary", "echo", b"", seqid=2))
+                s.settimeout(10)
+                first, second = read_messages(s, 2, max_size=64 << 20)
+            assert (second.seqid, len(second.data)) == (2, 24_000_028)
+            calls = t.wait_calls(2)
+    finally:
+        up.close()
+    (echo,) = [c for c in calls if c.attrs[spans.RPC_METHOD] == "echo"]
+    assert echo.attrs[spans.STREAMED] is True
+    queued, read = echo.hop_ms("queued"), echo.hop_ms("read_response")
+    assert queued >= 450, (queued, read)
+    assert read < queued, (queued, read)
+    assert echo.attrs[spans.CLIENT_PAUSED_MS] < 300, echo.attrs  # (the hold is not a pause of the stream)
+    hold = echo.hops["queued"][0]
+    assert hold.parent.span_id == echo.server.context.span_id
+    assert hold.end_time <= echo.hop("read_response").start_time  # the stream starts at its turn
+
+
 def test_held_reply_times_out_once_the_upstream_stalls_after_its_turn():
     """The credit is for the hold only: once its turn came, a reply whose upstream stops sending
     still meets its route timeout (the client connection is closed: bytes went out)."""
