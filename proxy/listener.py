@@ -591,6 +591,9 @@ class ClientConnection(asyncio.Protocol):
         call.t_write = monotonic_ns()
         if self.paused_writing:
             upconn.pause_reading()
+            # (the pause began before this stream, behind earlier replies: it holds this one back
+            # from now, not from then, which would count its hold twice)
+            self._paused_at = call.t_write
 
     def paused_ns(self, call: Call) -> int:
         """How long this connection has held `call`'s streaming reply back so far (not reading)."""
@@ -671,7 +674,11 @@ class ClientConnection(asyncio.Protocol):
             self._paused_at = now
         a = call.attempts[-1] if call.attempts else None
         if a is not None and a.t_reply and a.t_first_reply:
-            call.upstream_wait_ns = max(a.t_reply - a.t_first_reply - call.client_paused_ns, 0)
+            # the stream's own pauses: what the client held back, less every attempt's hold for
+            # its turn (an earlier attempt's too; this one's is not part of its stream either)
+            held = sum(x.held_ns for x in call.attempts)
+            paused = call.client_paused_ns - held
+            call.upstream_wait_ns = max(a.t_reply - a.t_first_reply - a.held_ns - paused, 0)
 
     def stream_abort(self, call: Call) -> None:
         """The reply broke after bytes reached the client: only closing its connection is left.

@@ -22,7 +22,8 @@ Metrics (all durations in seconds; buckets `BUCKETS`, 25 µs ... 30 s):
         `backoff` once per attempt/retry); a hop whose timestamps are missing is not sampled.
         The same hops, from the same timestamps, as the call's spans (`proxy.telemetry`): `queued`
         only for a reply that waited behind an earlier pipelined one (also a large reply held
-        unread for its turn: from its first byte until then, and `read_response` from there);
+        unread for its turn: as long as it was held, and `read_response` the rest; a call may
+        then have two `queued` samples, where `hops` sums its spans per call);
         `write_response` from the first reply byte written (a streamed reply's overlaps `read_response`)
     thrift_sidecar_call_duration_seconds{service,method}      histogram: the SERVER span, first
         request byte → the client has the reply, none of it left unsent (oneway: → request written upstream)

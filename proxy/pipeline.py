@@ -491,8 +491,9 @@ class Pipeline:
             outcome = calls.NOT_SENT
         self._end_attempt(attempt, outcome, error.endpoint_fault)
         call = attempt.call
-        if not error.written and attempt.t_written:  # written, yet it reached no service (a TLS
-            # refusal): the call "may have run" only if an earlier attempt's request may have
+        if not error.written and call.written:  # written (maybe a streaming request's first part),
+            # yet it reached no service (a TLS refusal): the call "may have run" only if an
+            # earlier attempt's request may have
             call.written = any(a.t_written and a.outcome != calls.NOT_SENT for a in call.attempts)
         if call.cancelled or attempt is not call.attempt:
             return

@@ -8,9 +8,10 @@ Span tree of one call (DESIGN.md):
      │   ├─ acquire                  pool lease, including connect (one never got: until the attempt ended)
      │   ├─ write_upstream           request bytes written to the upstream socket
      │   ├─ service_time             last request byte written → first reply byte
-     │   └─ read_response            first reply byte → whole reply framed
+     │   └─ read_response            first reply byte (after a hold: its turn) → whole reply framed
      ├─ backoff                      only between retries
-     ├─ queued                       a finished reply waited for earlier pipelined replies
+     ├─ queued                       a finished reply waited for earlier pipelined replies; also a
+     │                               large one held unread for its turn (from its first byte, as long as held)
      └─ write_response               first reply byte written → every byte left our send queue (SIOCOUTQNSD = 0)
 
 Attribute keys follow the OpenTelemetry semantic conventions (pinned below)

@@ -28,9 +28,10 @@ Span tree (DESIGN.md "Spans"; a hop whose timestamps are 0 has no span):
      │   ├─ acquire              t_acquire → t_acquired (no connection: → t_reply, else t_done)
      │   ├─ write_upstream       t_acquired → t_written
      │   ├─ service_time         t_written → t_first_reply (a failed attempt: → t_reply)
-     │   └─ read_response        t_first_reply → t_reply
+     │   └─ read_response        t_first_reply (+ held_ns) → t_reply
      ├─ backoff                  call.backoffs
-     ├─ queued                   t_done → t_write, when the reply waited behind an earlier one
+     ├─ queued                   t_done → t_write, when the reply waited behind an earlier one;
+     │                           per attempt held for its turn: t_first_reply → + held_ns
      └─ write_response           t_write → t_acked (else t_handed); handed_ms, client_never_read
                                  (never read: t_acked is when the proxy stopped waiting, the cap)
 

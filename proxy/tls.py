@@ -42,6 +42,7 @@ class TlsError(Exception):
 def client_context(tls: cfgmod.Tls, cluster: str = "?") -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # check_hostname and CERT_REQUIRED by default
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.options |= ssl.OP_NO_RENEGOTIATION  # (TLS 1.2: no handshake, nor refusal, mid-connection)
     ctx.check_hostname = True
     ctx.verify_mode = ssl.CERT_REQUIRED
     try:
@@ -65,12 +66,15 @@ _REFUSALS = frozenset({
     "TLSV13_ALERT_CERTIFICATE_REQUIRED", "SSLV3_ALERT_BAD_CERTIFICATE", "SSLV3_ALERT_UNSUPPORTED_CERTIFICATE",
     "SSLV3_ALERT_CERTIFICATE_REVOKED", "SSLV3_ALERT_CERTIFICATE_EXPIRED", "SSLV3_ALERT_CERTIFICATE_UNKNOWN",
     "TLSV1_ALERT_UNKNOWN_CA", "TLSV1_ALERT_ACCESS_DENIED", "SSLV3_ALERT_HANDSHAKE_FAILURE",
+    "TLSV1_ALERT_DECRYPT_ERROR", "TLSV1_ALERT_INSUFFICIENT_SECURITY",
 })
 
 
 def refusal(exc: BaseException | None) -> str | None:
     """The alert, as text ("tlsv13 alert certificate required"), when `exc` is a server refusing
-    the proxy's TLS credentials; None for anything else."""
+    the proxy's TLS credentials; None for anything else. (The caller trusts it only on a TLS 1.3
+    connection's first exchange, before any reply byte: with renegotiation off, nowhere else can
+    such an alert mean the service never saw the request.)"""
     if isinstance(exc, ssl.SSLError) and exc.reason in _REFUSALS:
         return exc.reason.lower().replace("_", " ")
     return None

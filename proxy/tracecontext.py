@@ -9,8 +9,9 @@ the trace headers put on an upstream THeader request. Leaves to others: building
     headers = inject(ctx, attempt.span_id)        # per attempt: {"traceparent": ..., "tracestate": ...}
 
 Upstream, a `traceparent` always; B3 too, in the form(s) the client sent (single `b3`, multi
-`x-b3-*`; its trace-id width; debug kept), rewritten to our CLIENT span: an upstream that reads B3
-first would otherwise parent its span on the client's and skip the proxy's, and see two parents.
+`x-b3-*`; its trace-id width; debug kept when sampled; no sampling state when the client deferred),
+rewritten to our CLIENT span: an upstream that reads B3 first would otherwise parent its span on
+the client's and skip the proxy's, and see two parents.
 
 Precedence: `traceparent`, then `b3`, then `x-b3-*`. An invalid value is ignored as if absent
 (the call starts a new trace, `new_trace` = True); a `tracestate` only travels with a valid
@@ -198,16 +199,15 @@ def _b3_form(h: dict[str, str]) -> B3Form | None:
     multi = any(k in h for k in B3_HEADERS[1:])
     if not single and not multi:
         return None
+    width = debug = 0
     if single:
         parts = h["b3"].strip().lower().split("-")
-        width = 16 if len(parts) > 1 and len(parts[0]) == 16 else 32
+        width = len(parts[0]) if len(parts) > 1 else 0  # (a decision alone has no trace id)
         debug = (parts[2] if len(parts) > 2 else parts[0]) == "d"
-    else:
-        width = 16 if len(h.get("x-b3-traceid", "").strip()) == 16 else 32
-        debug = False
     if multi:
+        width = width or len(h.get("x-b3-traceid", "").strip())
         debug = debug or h.get("x-b3-flags", "").strip() == "1"
-    return B3Form(single, multi, width, debug)
+    return B3Form(single, multi, 16 if width == 16 else 32, bool(debug))
 
 
 def start(headers: dict[str, str] | None, rng, sample_ratio: float) -> TraceContext:
@@ -240,15 +240,19 @@ def inject(ctx: TraceContext, span_id: int) -> dict[str, str]:
         tid = ctx.trace_id
         trace = f"{tid:016x}" if b3.width == 16 and tid < 1 << 64 else f"{tid:032x}"
         span, parent = f"{span_id:016x}", f"{ctx.span_id:016x}"
+        debug = b3.debug and ctx.sampled  # (a traceparent that won and said 00: not debug)
+        defer = ctx.parent_sampled is None  # the client left the decision to the next hop: so do we
         if b3.single:
-            state = "d" if b3.debug else "1" if ctx.sampled else "0"
-            headers["b3"] = f"{trace}-{span}-{state}-{parent}"
+            if defer:
+                headers["b3"] = f"{trace}-{span}"  # (B3: a parent span id only after a sampling state)
+            else:
+                headers["b3"] = f"{trace}-{span}-{'d' if debug else '1' if ctx.sampled else '0'}-{parent}"
         if b3.multi:
             headers["x-b3-traceid"] = trace
             headers["x-b3-spanid"] = span
             headers["x-b3-parentspanid"] = parent
-            if b3.debug:
+            if debug:
                 headers["x-b3-flags"] = "1"  # (debug implies sampled: B3 says send no x-b3-sampled)
-            else:
+            elif not defer:
                 headers["x-b3-sampled"] = "1" if ctx.sampled else "0"
     return headers

@@ -174,7 +174,7 @@ class UpstreamConnection(asyncio.Protocol):
     __slots__ = ("pool", "transport", "decoder", "exchange_", "idle_since", "closed", "label", "framing",
                  "protocol", "max_reply_size", "stream_threshold", "_probe", "_stream_left", "_may_stream", "_tail",
                  "paused", "upload", "owned", "_splice", "_write_full", "_held_oneway", "fd", "_sent_poll",
-                 "turn", "turn_since")
+                 "turn", "turn_since", "tls13")
 
     def __init__(self, pool, framing: Framing, protocol: Protocol, max_reply_size: int,
                  stream_threshold: int = 0) -> None:
@@ -205,6 +205,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._sent_poll = None             # the timer of watch_sent, while it looks
         self.turn: tuple | None = None     # a large reply held unread for its turn: (head, bytes so far)
         self.turn_since = 0                # since when (monotonic ns)
+        self.tls13 = False                 # TLS 1.3 (a refusal of our certificate comes after our handshake)
 
     # -- asyncio.Protocol -----------------------------------------------------
 
@@ -214,6 +215,8 @@ class UpstreamConnection(asyncio.Protocol):
         set_nodelay(sock)
         if sock is not None:
             self.fd = sock.fileno()
+        ssl_object = transport.get_extra_info("ssl_object")  # (the handshake is done: it knows)
+        self.tls13 = ssl_object is not None and ssl_object.version() == "TLSv1.3"
 
     def data_received(self, data: bytes) -> None:
         ex = self.exchange_
@@ -568,8 +571,10 @@ class UpstreamConnection(asyncio.Protocol):
         if ex is not None:
             self.exchange_ = None
             self._stream_cut(ex)
-            alert = refusal(exc)
-            if alert is not None:  # (TLS 1.3: the refusal comes after our side's handshake)
+            alert = refusal(exc) if not ex.t_first_reply and not self.idle_since else None
+            if alert is not None and self.tls13:
+                # (TLS 1.3: the refusal comes after our side's handshake, before any reply, on a
+                # connection's first exchange; TLS 1.2 could renegotiate later: not trusted there)
                 log.warning("upstream %s refused the proxy's TLS connection: %s", self.label, alert)
                 ex.on_failure(UpstreamError(f"{self.label} refused the TLS connection ({alert}): "
                                             "the request never reached the service", written=False))

@@ -162,6 +162,31 @@ def test_b3_beside_a_traceparent_carries_the_traceparents_trace():
     assert out["b3"] == f"{TID:032x}-{0xABC:016x}-1-{ctx.span_id:016x}"  # (128-bit: not cut to 16)
 
 
+def test_b3_that_deferred_the_decision_goes_upstream_deferring_it():
+    """`b3: {trace}-{span}` (no sampling state) leaves the decision to the next hop; ours does too,
+    whatever our head decision (a B3-first upstream keeps deciding for itself)."""
+    ctx, out = _b3_out({"b3": "64fe8b2a57d3eff7-e457b5a2e4d86bd1"}, ratio=0.0)
+    assert out["b3"] == f"64fe8b2a57d3eff7-{0xABC:016x}"
+    _, out = _b3_out({"x-b3-traceid": "463ac35c9f6413ad", "x-b3-spanid": "a2fb4a1d1a96d312"}, ratio=1.0)
+    assert "x-b3-sampled" not in out and "x-b3-flags" not in out and out["x-b3-spanid"] == f"{0xABC:016x}"
+
+
+def test_b3_debug_does_not_outvote_the_traceparent_that_won():
+    """A traceparent saying 00 beside a B3 debug flag: the call is not sampled, and the B3 sent on
+    says so too (one decision upstream, not two)."""
+    tp00 = TP[:-2] + "00"
+    ctx, out = _b3_out({"traceparent": tp00, "b3": "64fe8b2a57d3eff7-e457b5a2e4d86bd1-d"})
+    assert ctx.sampled is False and out["b3"].split("-")[2] == "0"
+    _, out = _b3_out({"traceparent": tp00, "x-b3-traceid": "463ac35c9f6413ad", "x-b3-spanid": "a2fb4a1d1a96d312",
+                      "x-b3-flags": "1"})
+    assert out["x-b3-sampled"] == "0" and "x-b3-flags" not in out
+
+
+def test_b3_width_comes_from_the_form_that_has_a_trace_id():
+    _, out = _b3_out({"b3": "junk", "x-b3-traceid": "463ac35c9f6413ad", "x-b3-spanid": "a2fb4a1d1a96d312"})
+    assert out["b3"].startswith("463ac35c9f6413ad-") and out["x-b3-traceid"] == "463ac35c9f6413ad"
+
+
 def test_an_invalid_b3_is_replaced_by_ours():
     ctx, out = _b3_out({"b3": "garbage-value", "x-b3-spanid": "zz"})
     assert ctx.new_trace
