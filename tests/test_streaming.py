@@ -13,7 +13,7 @@ import time
 import pytest
 
 from harness import (Proxy, ProxyProcess, RawUpstream, ThriftServer, client, config_text, free_port, proc_status,
-                     read_messages, reply_bytes, request_bytes)
+                     read_messages, reply_bytes, request_bytes, wait_for)
 from proxy.codec import Decoder, Framing, MessageType, Protocol
 from proxy.codec.heads import write_varint
 
@@ -387,6 +387,55 @@ def test_time_held_for_its_turn_is_queued_in_the_spans_not_read_response(caplog)
     hold = echo.hops["queued"][0]
     assert hold.parent.span_id == echo.server.context.span_id
     assert hold.end_time <= echo.hop("read_response").start_time  # the stream starts at its turn
+
+
+class SizedUpstream(SlowFirstBigUpstream):
+    """SlowFirstBigUpstream with a reply size per method (`sizes`; others: `size`)."""
+
+    def __init__(self, sizes: dict[bytes, int], delay: float) -> None:
+        self.sizes = sizes
+        super().__init__(0, delay)
+
+    def _big(self, c: socket.socket, name: bytes, seqid: int) -> bool:
+        size = self.sizes.get(name, 10)
+        head = struct.pack("!Ii", 0x80010002, len(name)) + name + struct.pack("!i", seqid)
+        field = bytes((11,)) + struct.pack("!h", 0) + struct.pack("!i", size)
+        with contextlib.suppress(OSError):
+            c.sendall(struct.pack("!i", len(head) + len(field) + size + 1) + head + field + b"\xab" * size + b"\x00")
+            return True
+        return False
+
+
+def test_a_held_stream_that_starts_while_the_client_is_paused_counts_only_its_own_pause():
+    """A 12 MB reply (read whole: stream_threshold 16 MiB) fills a client that reads nothing for
+    1 s; behind it a slow small call and a 24 MB reply held for its turn. That turn comes (the
+    slow call's reply, at ~0.5 s) while the connection is still paused: the stream's pause counts
+    from then, not from when the 12 MB reply paused the connection (that time is the hold's,
+    already credited). Before: the hold was counted twice, and client_paused_ns came to more than
+    the reply's whole life."""
+    up = SizedUpstream({b"get_users": 12_000_000, b"echo": 24_000_000}, delay=0.5)
+    try:
+        with Proxy(_big_config(up.address, extra_cluster="\n    stream_threshold: 16MiB")) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+            s.connect(("127.0.0.1", p.port()))
+            with s:
+                s.sendall(request_bytes("framed", "binary", "get_users", 1, 0, seqid=1)
+                          + request_bytes("framed", "binary", "sleep", 500, seqid=2)
+                          + request_bytes("framed", "binary", "echo", b"", seqid=3))
+                time.sleep(1.0)
+                got = read_messages(s, 3, max_size=64 << 20)
+            assert [m.seqid for m in got] == [1, 2, 3]
+            wait_for(lambda: len(done) == 3, what="the three calls recorded")
+    finally:
+        up.close()
+    (echo,) = [c for c in done if c.msg.name == "echo"]
+    a = echo.attempts[0]
+    assert echo.streamed and a.held_ns >= 300e6, (echo.streamed, a.held_ns)
+    life = (echo.t_acked or echo.t_handed) - a.t_first_reply
+    assert echo.client_paused_ns <= life, (echo.client_paused_ns / 1e6, life / 1e6, a.held_ns / 1e6)
 
 
 def test_held_reply_times_out_once_the_upstream_stalls_after_its_turn():
