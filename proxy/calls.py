@@ -89,6 +89,12 @@ class Call:
             return self.upload.size
         return len(self.msg.data) if self.msg is not None else 0
 
+    @property
+    def held_ns(self) -> int:
+        """How long its attempts' large replies were held unread for their turn (a part of
+        client_paused_ns: the `queued` hop, not the stream's own pauses)."""
+        return sum(a.held_ns for a in self.attempts)
+
     def __repr__(self) -> str:
         name = self.msg.name if self.msg is not None else "?"
         seqid = self.msg.seqid if self.msg is not None else "?"
@@ -189,6 +195,14 @@ class Attempt(Exchange):
         """Its large reply is held unread until its call is first in line (UpstreamConnection.take_turn)."""
         conn = self.upconn
         return conn is not None and conn.turn is not None
+
+    @property
+    def queued_ns(self) -> int:
+        """The part of its read_response hop that its reply was held unread for its turn (spans,
+        access log: `queued`, from the first reply byte; proxy.metrics.pure_record_hops and its
+        compiled twin take the same rule inline)."""
+        held, t0, t1 = self.held_ns, self.t_first_reply, self.t_reply
+        return min(held, t1 - t0) if held > 0 and t0 and t1 >= t0 else 0
 
     @property
     def t_sent(self) -> int:

@@ -676,8 +676,7 @@ class ClientConnection(asyncio.Protocol):
         if a is not None and a.t_reply and a.t_first_reply:
             # the stream's own pauses: what the client held back, less every attempt's hold for
             # its turn (an earlier attempt's too; this one's is not part of its stream either)
-            held = sum(x.held_ns for x in call.attempts)
-            paused = call.client_paused_ns - held
+            paused = call.client_paused_ns - call.held_ns
             call.upstream_wait_ns = max(a.t_reply - a.t_first_reply - a.held_ns - paused, 0)
 
     def stream_abort(self, call: Call) -> None:

@@ -26,14 +26,6 @@ def _ms(a: int, b: int) -> float | None:
     return round((b - a) / 1e6, 3) if a and b else None
 
 
-def _held(a) -> int:
-    """The part of an attempt's read_response its large reply was held unread for its turn (the
-    span plan's `queued`, proxy.telemetry)."""
-    if a.held_ns > 0 and a.t_first_reply and a.t_reply >= a.t_first_reply:
-        return min(a.held_ns, a.t_reply - a.t_first_reply)
-    return 0
-
-
 class CallRecorder:
     def __init__(self, service: str, listener: str, metrics: ServiceMetrics, telemetry, lag: LoopLagMonitor,
                  access: bool = False) -> None:
@@ -65,7 +57,7 @@ class CallRecorder:
     def _log(self, call, end: int) -> None:
         msg = call.msg
         a = call.attempts[-1] if call.attempts else None
-        held = sum(_held(x) for x in call.attempts)
+        held = sum(x.queued_ns for x in call.attempts)
         queued = None
         if call.waited and call.t_done and call.t_write:
             queued = (call.t_write - call.t_done + held) / 1e6
@@ -83,7 +75,7 @@ class CallRecorder:
             "acquire_ms": _ms(a.t_acquire, a.t_acquired or a.t_reply or call.t_done) if a else None,
             "write_upstream_ms": _ms(a.t_acquired, a.t_written) if a else None,
             "service_time_ms": _ms(a.t_written, a.t_first_reply) if a else None,
-            "read_response_ms": _ms(a.t_first_reply and a.t_first_reply + _held(a), a.t_reply) if a else None,
+            "read_response_ms": _ms(a.t_first_reply and a.t_first_reply + a.queued_ns, a.t_reply) if a else None,
             "queued_ms": None if queued is None else round(queued, 3),  # as the spans (holds included)
             "write_response_ms": _ms(call.t_write or call.t_done, call.t_acked or call.t_handed),
             "loop_lag_ms": round(call.loop_lag_ns / 1e6, 3),

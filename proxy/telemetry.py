@@ -312,7 +312,7 @@ class Telemetry:
         if call.streamed:
             a[spans.STREAMED] = True
             # (less the turns its reply was held for: `queued`, not the stream's pauses)
-            a[spans.CLIENT_PAUSED_MS] = _ms(call.client_paused_ns - sum(x.held_ns for x in attempts))
+            a[spans.CLIENT_PAUSED_MS] = _ms(call.client_paused_ns - call.held_ns)
             a[spans.UPSTREAM_WAIT_MS] = _ms(call.upstream_wait_ns)
         if call.upload is not None:
             a[spans.REQUEST_STREAMED] = True
@@ -413,11 +413,10 @@ class Telemetry:
                     out.append((spans.SERVICE_TIME, (rand(64) or 1), client_id, False, INTERNAL, t_written + off,
                                 s1 + off, None, None))
                     if t_first and t_reply >= t_first:
-                        held = att.held_ns
-                        if held > 0:  # a large reply held unread for its turn: that wait is queued
-                            r0 = min(t_first + held, t_reply)  # (as proxy.metrics.pure_record_hops)
+                        held = att.queued_ns
+                        if held:  # a large reply held unread for its turn: that wait is queued
                             out.append((spans.QUEUED, (rand(64) or 1), server_id, False, INTERNAL, t_first + off,
-                                        r0 + off, None, None))
-                            t_first = r0
+                                        t_first + held + off, None, None))
+                            t_first += held
                         out.append((spans.READ_RESPONSE, (rand(64) or 1), client_id, False, INTERNAL, t_first + off,
                                     t_reply + off, None, None))
