@@ -1,10 +1,47 @@
-"""Structured logs: one JSON object per line (or plain text), nothing formatted unless emitted."""
+"""Structured logs: one JSON object per line (or plain text), nothing formatted unless emitted;
+repeated warnings thinned (`Throttle`)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import time
+from typing import Callable, Hashable
+
+
+class Throttle:
+    """Repeated log lines, thinned: per key, the first line goes out at once, then at most one
+    per `every` seconds, and the line let through says how many were held back since the last
+    one. A pure policy object: `clock()` gives seconds (proxy.clock). Its keys are the caller's
+    few kinds of line (it forgets none)."""
+
+    __slots__ = ("every", "clock", "_last", "_held")
+
+    def __init__(self, every: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every = every
+        self.clock = clock
+        self._last: dict[Hashable, float] = {}
+        self._held: dict[Hashable, int] = {}
+
+    def admit(self, key: Hashable) -> int | None:
+        """None: hold this line back; else let it out, with the count held back before it."""
+        now = self.clock()
+        last = self._last.get(key)
+        if last is not None and now - last < self.every:
+            self._held[key] = self._held.get(key, 0) + 1
+            return None
+        self._last[key] = now
+        return self._held.pop(key, 0)
+
+    def warn(self, logger: logging.Logger, key: Hashable, msg: str, *args) -> None:
+        """`logger.warning(msg, *args)`, if `key`'s line may go out now (`admit`)."""
+        held = self.admit(key)
+        if held is None:
+            return
+        if held:
+            logger.warning(msg + " (and %d more like it since the last such line)", *args, held)
+        else:
+            logger.warning(msg, *args)
 
 
 class JsonFormatter(logging.Formatter):

@@ -439,10 +439,9 @@ class Pipeline:
     def stream_start(self, attempt: Attempt, head) -> bool | str:
         call = attempt.call
         if (call.cancelled or attempt is not call.attempt or call.oneway
-                or head.framing is not call.msg.framing
                 or (call.upload is not None and not call.upload.done)):
-            # read it whole: it is re-framed, or it came before the whole request was written
-            # (that connection is then discarded)
+            # read it whole: nobody waits for it, or it came before the whole request was
+            # written (that connection is then discarded)
             return False
         now = call.conn.can_stream(call)
         if not now and not call.conn.stream_later(call):
@@ -453,13 +452,17 @@ class Pipeline:
             outcome = calls.DECLARED_EXCEPTION
         else:
             outcome = calls.SUCCESS
-        if outcome != calls.SUCCESS and self._would_retry(call, attempt, outcome, head.result_field):
-            return False  # read it whole, so that it can be retried
         if not now:
             # Replies ahead of it are still pending: read it whole to wait (a few, up to the client
-            # connection's budget), or leave it unread until it is first in line, then stream it
-            # (the client connection calls take_turn).
+            # connection's budget), or leave it unread until it is first in line (the client
+            # connection calls take_turn), then ask again. This holds for a reply that will be
+            # read whole in its turn too (re-framed, or retried), so that no reply waits in
+            # memory outside the budget.
             return False if call.conn.wait_whole(call, head.total) else WAIT_TURN
+        if head.framing is not call.msg.framing:
+            return False  # read it whole: it is re-framed for the client
+        if outcome != calls.SUCCESS and self._would_retry(call, attempt, outcome, head.result_field):
+            return False  # read it whole, so that it can be retried
         call.streamed = True
         call.outcome = outcome
         call.result_field = head.result_field

@@ -18,8 +18,9 @@ from proxy.codec import Decoder, Framing, MessageType, Protocol
 from proxy.codec.heads import write_varint
 
 
-def _big_config(upstream: str, port: int = 0, extra_cluster: str = "") -> str:
-    return config_text([upstream], listen_port=port).replace(
+def _big_config(upstream: str, port: int = 0, extra_cluster: str = "", **kwargs) -> str:
+    """`kwargs`: config_text's (transport, cluster_transport, ...)."""
+    return config_text([upstream], listen_port=port, **kwargs).replace(
         "    protocol: binary\n    routes", "    protocol: binary\n    max_frame_size: 300MiB\n    routes").replace(
         "    load_balancer", f"    max_reply_size: 300MiB{extra_cluster}\n    load_balancer")
 
@@ -211,12 +212,63 @@ def test_replies_past_the_waiting_budget_wait_unread_then_stream():
     assert all(c.outcome == "success" for c in echoes)
 
 
+@pytest.mark.parametrize("why", ["reframed", "retried"])
+def test_replies_read_whole_in_their_turn_also_wait_unread_past_the_budget(why):
+    """A large reply that is read whole even in its turn (re-framed for the client, or an
+    exception the route retries) keeps to the waiting budget as a streaming one does: of three
+    12 MB replies behind a slow call, the first to come is read whole to wait (12 MB), the other
+    two would pass the 16 MiB budget and wait unread, then are read whole in their turn. All
+    four replies arrive in order, byte for byte."""
+    size = 12_000_000
+    up = SlowFirstBigUpstream(size, delay=0.5)
+    framing = "framed"
+    if why == "reframed":  # the client speaks buffered, the upstream framed
+        framing = "buffered"
+        text = _big_config(up.address, transport="buffered", cluster_transport="framed")
+    else:
+        up.field_id = 1
+        up.pace = 0.01  # ~120 ms to send each reply: what a stream's upstream_wait_ms measures
+        text = _big_config(up.address).replace("      - cluster: up", (
+            "      - cluster: up\n        retry: {attempts: 2, idempotent: [echo], on_exceptions: [1], "
+            "backoff: {base: 1ms, max: 2ms}}"))
+    try:
+        with Proxy(text) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(request_bytes(framing, "binary", "sleep", 500, seqid=1)
+                          + b"".join(request_bytes(framing, "binary", "echo", b"", seqid=i) for i in (2, 3, 4)))
+                replies = read_messages(s, 4, framing=framing, timeout=20)
+            assert [(r.seqid, r.type) for r in replies] == [(i, MessageType.REPLY) for i in (1, 2, 3, 4)]
+            length = size + 24 + (4 if framing == "framed" else 0)
+            assert all(len(r.data) == length and r.data[-11:] == b"\xab" * 10 + b"\x00" for r in replies[1:])
+            time.sleep(0.2)
+    finally:
+        up.close()
+    echoes = [c for c in done if c.msg.name == "echo"]
+    assert len(echoes) == 3
+    if why == "reframed":
+        assert not any(c.streamed for c in echoes)  # (re-framed: read whole)
+        held = sorted(c.held_ns > 0 for c in echoes)
+    else:
+        assert all(len(c.attempts) == 2 and c.outcome == "declared_exception" for c in echoes)
+        held = sorted(c.attempts[0].held_ns > 0 for c in echoes)
+        # A call held for its turn was retried in its turn: its second reply streamed. The time
+        # that stream waited for the upstream's bytes is not cut by the first attempt's hold.
+        waits = [c.upstream_wait_ns / 1e6 for c in echoes if c.attempts[0].held_ns and c.streamed]
+        assert waits and min(waits) > 60, f"upstream_wait_ms of the held calls' streams: {waits}"
+    # Which one came first (and was read whole to wait) depends on the three upstream connections.
+    assert held == [False, True, True], "a reply past the budget was read whole while it waited"
+
+
+
 
 class RawBigUpstream(RawUpstream):
     """A raw upstream answering any framed binary call with a reply carrying `size` bytes."""
 
     def __init__(self, size: int, die_after: int | None = None) -> None:
         self.size = size
+        self.field_id = 0  # the result's field: 0 success, > 0 a declared exception
         self.die_after = die_after
         self.stall_after: int | None = None
         self.pace = 0.0  # seconds to wait after each MiB sent
@@ -235,7 +287,7 @@ class RawBigUpstream(RawUpstream):
         """Send the reply; False once the connection was reset on purpose (die_after)."""
         head = struct.pack("!Ii", 0x80010002, len(name)) + name + struct.pack("!i", seqid)
         size = self._size(name)
-        field = bytes((11,)) + struct.pack("!h", 0) + struct.pack("!i", size)
+        field = bytes((11,)) + struct.pack("!h", self.field_id) + struct.pack("!i", size)
         body_len = len(head) + len(field) + size + 1
         c.sendall(struct.pack("!i", body_len) + head + field)
         chunk = b"\xab" * (1 << 20)
