@@ -40,7 +40,7 @@ class Call:
                  "outcome", "attempt", "attempts", "written", "cancelled", "backoffs",
                  "t_start", "t_framed", "t_done", "t_write", "t_handed", "t_acked", "never_read",
                  "streamed", "client_paused_ns", "upstream_wait_ns", "reply_size", "loop_lag_ns",
-                 "trace", "timer", "deadline", "retry_timer", "holds_request", "result_field", "waited",
+                 "trace", "timer", "deadline", "credited_ns", "retry_timer", "holds_request", "result_field", "waited",
                  "_req_framing", "_req_data", "upload")
 
     def __init__(self, conn, msg, t_start: int, t_framed: int, pipeline=None) -> None:
@@ -75,6 +75,7 @@ class Call:
         self.trace = None                   # trace context (telemetry)
         self.timer = None                   # route deadline handle
         self.deadline = 0.0                 # loop time of the route deadline (0 = none)
+        self.credited_ns = 0                # client pauses the deadline has moved by (Pipeline._credit_pauses)
         self.retry_timer = None             # backoff before the next attempt
         self.holds_request = False          # counted in the cluster's max_requests
         self.result_field = None            # the reply's first result field id (outcome peek)

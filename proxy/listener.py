@@ -578,6 +578,12 @@ class ClientConnection(asyncio.Protocol):
         self._waiting_bytes += size - have
         return True
 
+    def unwait(self, call: Call) -> None:
+        """`call`'s reply read whole to wait its turn (wait_whole) is written, or dropped for a
+        retry: its share of the budget is free."""
+        if self._waiting:
+            self._waiting_bytes -= self._waiting.pop(call, 0)
+
     def _give_turn(self, call: Call) -> None:
         """`call` is first in line now: if its large reply is held unread, let it come. (The time
         it was held counts as the client's: Attempt.held_for.)"""
@@ -647,8 +653,7 @@ class ClientConnection(asyncio.Protocol):
         q = self.queue
         if q and q[0] is call:
             q.popleft()
-        if self._waiting:  # (it waited to be read whole once; a retry's reply streamed)
-            self._waiting_bytes -= self._waiting.pop(call, 0)
+        self.unwait(call)  # (it waited to be read whole once; a retry's reply streamed)
         self._unacked.append((self.bytes_out, call))
         call.reply = b""  # written already; nothing left to send
         if q and q[0].reply is not None:
@@ -714,7 +719,7 @@ class ClientConnection(asyncio.Protocol):
         while q and q[0].reply is not None:
             c = q.popleft()
             if self._waiting:
-                self._waiting_bytes -= self._waiting.pop(c, 0)
+                self.unwait(c)
             c.t_write = monotonic_ns()
             data = c.reply
             write(data)

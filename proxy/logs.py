@@ -12,8 +12,9 @@ from typing import Callable, Hashable
 class Throttle:
     """Repeated log lines, thinned: per key, the first line goes out at once, then at most one
     per `every` seconds, and the line let through says how many were held back since the last
-    one. A pure policy object: `clock()` gives seconds (proxy.clock). Its keys are the caller's
-    few kinds of line (it forgets none)."""
+    one (the count of a burst shows with the next line of its kind, if one comes). A pure policy
+    object: `clock()` gives seconds (proxy.clock). Its keys are the caller's kinds of line (a
+    pool's failure reasons: a few; it forgets none)."""
 
     __slots__ = ("every", "clock", "_last", "_held")
 

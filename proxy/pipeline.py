@@ -62,6 +62,7 @@ def _client_timeout(value: str) -> float:
 DEFAULT_RETRY_BUFFER = cfgmod.Route.model_fields["retry_buffer"].default  # a route without settings
 UPLOAD_HOLD = 1 << 20  # bytes of a streaming request held while it waits for a connection
 STALL_RECHECK = 0.001  # s: a deadline the stalled loop overslept is looked at again after one I/O poll
+DEADLINE_SLACK = 0.001  # s: a route timer that fires this much before its deadline is armed again
 
 
 def _same_protocol(a: Protocol, b: Protocol) -> bool:
@@ -285,7 +286,7 @@ class Pipeline:
         """The attempt's per-try deadline, unless the route deadline comes first."""
         at = self.loop.time() + per_try
         call = attempt.call
-        deadline = call.deadline
+        deadline = self._credit_pauses(call)
         if not deadline or at <= deadline:
             # (time the client held earlier attempts' replies back is not this attempt's credit)
             credited = call.conn.paused_ns(call)
@@ -353,7 +354,8 @@ class Pipeline:
                 call.deadline or self.on_send is not None):
             headers = dict(call.msg.headers)
             if call.deadline:
-                headers[CLIENT_TIMEOUT_HEADER] = str(max(int((call.deadline - self.loop.time()) * 1000), 1))
+                left = self._credit_pauses(call) - self.loop.time()
+                headers[CLIENT_TIMEOUT_HEADER] = str(max(int(left * 1000), 1))
             if self.on_send is not None:
                 self.on_send(attempt, headers)
             limit = call.conn.max_frame_size
@@ -582,7 +584,8 @@ class Pipeline:
         if not ok:
             return False
         delay = policy.backoff(attempt.number, self.rng)
-        if call.deadline and self.loop.time() + delay >= call.deadline:
+        deadline = self._credit_pauses(call)
+        if deadline and self.loop.time() + delay >= deadline:
             return False  # (before the slot and the budget are taken: this retry never happens)
         cluster = call.cluster
         limits = cluster.limits
@@ -597,6 +600,7 @@ class Pipeline:
             return False
         self.stats["retries"] += 1
         call.attempt = None
+        call.conn.unwait(call)  # (a reply read whole to wait its turn is dropped: its budget is free)
         start = monotonic_ns()
         call.retry_timer = self.loop.call_later(delay, self._retry_now, call, outcome, start)
         return True
@@ -628,7 +632,7 @@ class Pipeline:
                                                  credited, True)
             return
         call = attempt.call
-        # As for the route timeout (_call_timeout): time the client held the stream back (or its
+        # As for the route timeout (_credit_pauses): time the client held the stream back (or its
         # earlier calls held the reply unread, even if it was then read whole) is not the
         # upstream's: the deadline moves.
         paused = call.conn.paused_ns(call)
@@ -661,24 +665,38 @@ class Pipeline:
         self._release_call(call)
         call.conn.stream_abort(call)
 
-    def _call_timeout(self, call: Call, timeout: float, credited: int = 0, rechecked: bool = False) -> None:
+    def _credit_pauses(self, call: Call) -> float:
+        """The route deadline (loop time; 0: none), moved on by the time the client held the
+        call's replies back since it last moved (`call.credited_ns`).
+
+        Time the client held a stream back (not reading) is not the upstream's: the deadline
+        moves by it (a client that stops reading altogether is closed as a write stall after
+        request_read_timeout). As when a reply is read whole: the route timeout bounds the
+        upstream side of the call, not the client's reading. So is the time a large reply is
+        held unread behind the client's earlier calls (take_turn), however that hold ended.
+        Taken whenever the deadline is read (a retry's backoff, a per-try timer, the THeader
+        timeout sent upstream), not only when its timer fires: a reply held for its turn and
+        then retried must not find the deadline as if it had been the upstream's time."""
+        if call.deadline:
+            paused = call.conn.paused_ns(call)
+            if paused > call.credited_ns:
+                call.deadline += (paused - call.credited_ns) / 1e9
+                call.credited_ns = paused
+        return call.deadline
+
+    def _call_timeout(self, call: Call, timeout: float, rechecked: bool = False) -> None:
         call.timer = None
         if call.reply is not None or call.cancelled:
             return
         if not rechecked and self.loop.time() - call.deadline > STALL_GRACE:
             # The loop itself was stalled past the deadline (clock.STALL_GRACE): a reply that came
             # meanwhile is read first (the next poll, in STALL_RECHECK), then the timeout stands.
-            call.timer = self.loop.call_later(STALL_RECHECK, self._call_timeout, call, timeout, credited, True)
+            call.timer = self.loop.call_later(STALL_RECHECK, self._call_timeout, call, timeout, True)
             return
-        # Time the client held the stream back (not reading) is not the upstream's: the deadline
-        # moves by it (a client that stops reading altogether is closed as a write stall after
-        # request_read_timeout). As when a reply is read whole: the route timeout bounds the
-        # upstream side of the call, not the client's reading. So is the time a large reply is
-        # held unread behind the client's earlier calls (take_turn), however that hold ended.
-        paused = call.conn.paused_ns(call)
-        if paused > credited:
-            call.deadline += (paused - credited) / 1e9
-            call.timer = self.loop.call_at(call.deadline, self._call_timeout, call, timeout, paused)
+        before = call.deadline
+        if self._credit_pauses(call) > before or call.deadline - self.loop.time() > DEADLINE_SLACK:
+            # the client's pauses moved it on (now, or since this timer was set)
+            call.timer = self.loop.call_at(call.deadline, self._call_timeout, call, timeout)
             return
         if call.streamed:
             a = call.attempt

@@ -12,7 +12,7 @@ first): `on_connect_start()` / `on_connect_end(ok)`, set by the owner
 (`proxy.cluster`, which counts a connect in progress as load on the endpoint
 and a failed one against its breaker), and a log line for a failure, a
 timeout as much as a refusal (the first at once, then at most one per
-`WARN_EVERY` per pool and kind, with a count of those held back: an endpoint
+`WARN_EVERY` per pool and reason, with a count of those held back: an endpoint
 that refuses every connect under load does not flood the log). The error handed to a waiter then says
 `endpoint_fault=False`: the failure was reported once, here, and the caller's
 attempt must not count it again.
@@ -35,7 +35,7 @@ from proxy.upstream import UpstreamConnection, UpstreamError
 
 log = logging.getLogger(__name__)
 
-WARN_EVERY = 5.0  # seconds between two warnings of one kind about one pool's endpoint
+WARN_EVERY = 5.0  # seconds between two warnings of one kind (the same reason) about one pool's endpoint
 
 
 def describe_connect_error(e: BaseException, tls: bool) -> str:
@@ -107,7 +107,7 @@ class Pool:
         self.ssl = ssl
         self.server_hostname = server_hostname
         self.label = f"{host}:{port}"
-        self.warnings = Throttle(WARN_EVERY)  # its connects' failures, its connections' TLS refusals
+        self.warnings = Throttle(WARN_EVERY)  # its connects' failures, its connections' TLS refusals (per reason)
         self.idle: list[UpstreamConnection] = []
         self.open = 0            # connections open or connecting
         self.connecting = 0
@@ -212,7 +212,7 @@ class Pool:
             timeout = isinstance(e, TimeoutError) and e.errno is None  # our deadline (else the kernel's)
             reason = (f"timed out after {s.connect_timeout * 1000:.0f}ms" if timeout
                       else f"failed: {describe_connect_error(e, self.ssl is not None)}")
-            self.warnings.warn(log, "connect", "connect to %s %s", self.label, reason)
+            self.warnings.warn(log, reason, "connect to %s %s", self.label, reason)
             if self.on_connect_end is not None:
                 # before the waiter hears of it: a failure may open the breaker, and a retry
                 # then picks another endpoint

@@ -575,7 +575,7 @@ class UpstreamConnection(asyncio.Protocol):
             if alert is not None and self.tls13:
                 # (TLS 1.3: the refusal comes after our side's handshake, before any reply, on a
                 # connection's first exchange; TLS 1.2 could renegotiate later: not trusted there)
-                self.pool.warnings.warn(log, "refused", "upstream %s refused the proxy's TLS connection: %s",
+                self.pool.warnings.warn(log, ("refused", alert), "upstream %s refused the proxy's TLS connection: %s",
                                         self.label, alert)
                 ex.on_failure(UpstreamError(f"{self.label} refused the TLS connection ({alert}): "
                                             "the request never reached the service", written=False))
