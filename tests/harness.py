@@ -67,6 +67,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def small_window_client(port: int, rcvbuf: int = 64 * 1024) -> socket.socket:
+    """A raw client socket to the proxy on 127.0.0.1:`port` whose receive buffer is set to
+    `rcvbuf` before it connects (so no autotuning): a large reply backs up in the proxy's
+    kernel until the test reads it, and the proxy's backpressure and ack tracking show."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.connect(("127.0.0.1", port))
+    return s
+
+
 def free_ports(n: int) -> list[int]:
     """`n` distinct free ports: each socket stays bound until all are chosen, so none repeats."""
     socks: list[socket.socket] = []

@@ -38,6 +38,7 @@ from harness import (
     proc_status,
     read_messages,
     request_bytes,
+    small_window_client,
 )
 from proxy.codec import MessageType
 
@@ -504,9 +505,7 @@ def test_client_that_never_reads_is_bounded_then_closed(guard):
     calls, pauses reading, and closes the connection once no reply byte has been read for
     request_read_timeout (a write stall)."""
     before = guard.listener()
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)
-    s.connect(("127.0.0.1", guard.framed))
+    s = small_window_client(guard.framed, 32 * 1024)
     req = request_bytes("framed", "binary", "get_users", 1000, 0, seqid=1)
     try:
         s.setblocking(False)
@@ -544,9 +543,7 @@ def test_slow_but_steady_reader_is_not_closed(guard):
     count = 60
     reqs = b"".join(request_bytes("framed", "binary", "get_users", 1200, 0, seqid=i) for i in range(count))
     before = guard.listener()["write_stalls"]
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)
-    s.connect(("127.0.0.1", guard.framed))
+    s = small_window_client(guard.framed, 32 * 1024)
     with s:
         s.sendall(reqs)
         from proxy.codec import Decoder, Framing, Protocol

@@ -13,7 +13,8 @@ import time
 from thrift.Thrift import TApplicationException
 import pytest
 
-from harness import Handler, ThriftServer, client, make_users, read_messages, request_bytes, wait_for
+from harness import (Handler, ThriftServer, client, make_users, read_messages, request_bytes, small_window_client,
+                     wait_for)
 from proxy import spans
 from spans_util import Traced
 from test_tracing_live import PARENT_ID, TRACE_ID
@@ -24,10 +25,7 @@ RST = b"\x01\x00\x00\x00\x00\x00\x00\x00"  # SO_LINGER on, 0 s: close() resets t
 
 def _non_reader(port: int) -> socket.socket:
     """A client connection with a 4 KB receive buffer (it will not read: replies back up)."""
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    s.connect(("127.0.0.1", port))
-    return s
+    return small_window_client(port, 4096)
 
 
 def _cfg(upstream: str, listener: str = "", route: str = "", cluster: str = "") -> str:

@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from harness import Proxy, RawUpstream, ThriftServer, client, config_text, request_bytes, wait_for
+from harness import (Proxy, RawUpstream, ThriftServer, client, config_text, request_bytes, small_window_client,
+                     wait_for)
 from proxy import splice
 
 pytestmark = pytest.mark.skipif(not splice.available, reason="no splice(2) here")
@@ -149,9 +150,7 @@ def test_a_slow_reader_gets_every_byte_and_its_pauses_are_counted():
         with Proxy(_config(up.address)) as p:
             done = []
             p.server.listeners["test"].pipeline.on_complete = done.append
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
-            s.connect(("127.0.0.1", p.port()))
+            s = small_window_client(p.port())
             with s:
                 s.settimeout(10)
                 s.sendall(request_bytes("framed", "binary", "echo", b"", seqid=4))
@@ -205,9 +204,7 @@ def test_client_gone_mid_splice_discards_the_upstream_connection():
     try:
         with Proxy(_config(up.address)) as p:
             for _ in range(3):
-                s = socket.socket()
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
-                s.connect(("127.0.0.1", p.port()))
+                s = small_window_client(p.port())
                 s.sendall(request_bytes("framed", "binary", "echo", b"", seqid=7))
                 s.settimeout(10)
                 assert s.recv(65536)
@@ -232,9 +229,7 @@ def test_a_client_that_stops_reading_mid_splice_is_closed_as_a_write_stall():
     try:
         with Proxy(_config(up.address, "\n    request_read_timeout: 1s")) as p:
             state = p.server.listeners["test"]
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
-            s.connect(("127.0.0.1", p.port()))
+            s = small_window_client(p.port())
             with s:
                 s.sendall(request_bytes("framed", "binary", "echo", b"", seqid=9))
                 s.settimeout(10)

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from harness import (Proxy, ProxyProcess, RawUpstream, ThriftServer, client, config_text, free_port, proc_status,
-                     read_messages, reply_bytes, request_bytes, wait_for)
+                     read_messages, reply_bytes, request_bytes, small_window_client, wait_for)
 from proxy.codec import Decoder, Framing, MessageType, Protocol
 from proxy.codec.heads import write_varint
 
@@ -56,9 +56,7 @@ def test_slowly_read_stream_arrives_byte_exact():
             done = []
             p.server.listeners["test"].pipeline.on_complete = done.append
             big = os.urandom(8_000_000)
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
-            s.connect(("127.0.0.1", p.port()))
+            s = small_window_client(p.port())
             with s:
                 state = p.server.listeners["test"]
                 deadline = time.monotonic() + 5
@@ -541,9 +539,7 @@ def test_a_held_stream_that_starts_while_the_client_is_paused_counts_only_its_ow
         with Proxy(_big_config(up.address, extra_cluster="\n    stream_threshold: 16MiB")) as p:
             done = []
             p.server.listeners["test"].pipeline.on_complete = done.append
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
-            s.connect(("127.0.0.1", p.port()))
+            s = small_window_client(p.port())
             with s:
                 s.sendall(request_bytes("framed", "binary", "get_users", 1, 0, seqid=1)
                           + request_bytes("framed", "binary", "sleep", 500, seqid=2)
@@ -893,9 +889,7 @@ def test_slow_reader_of_a_streamed_reply_is_not_cut_by_the_route_timeout(config)
     up = RawBigUpstream(16_000_000)  # far more than the kernel buffers hold: the stream pauses
     try:
         with Proxy(config(f"127.0.0.1:{up.port}", "200ms")) as p:
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
-            s.connect(("127.0.0.1", p.port()))
+            s = small_window_client(p.port())
             with s:
                 s.sendall(request_bytes("framed", "binary", "echo", b"", seqid=3))
                 t0 = time.monotonic()
@@ -925,9 +919,7 @@ def test_idle_timeout_leaves_a_connection_alone_while_its_reply_is_still_going_o
         text = _big_config(f"127.0.0.1:{up.port}").replace(
             "    max_frame_size: 300MiB", "    max_frame_size: 300MiB\n    idle_timeout: 500ms")
         with Proxy(text) as p:
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
-            s.connect(("127.0.0.1", p.port()))
+            s = small_window_client(p.port())
             with s:
                 s.settimeout(10)
                 s.sendall(request_bytes("framed", "binary", "echo", b"", seqid=3))
@@ -956,9 +948,7 @@ def test_a_client_that_never_reads_a_stream_is_closed_after_one_timeout_not_two(
         text = config_text([up.address], transport="buffered").replace(
             "    protocol: binary\n    routes", "    protocol: binary\n    request_read_timeout: 2s\n    routes")
         with Proxy(text) as p:
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            s.connect(("127.0.0.1", p.port()))
+            s = small_window_client(p.port(), 4096)
             with s:
                 s.sendall(request_bytes("buffered", "binary", "get_users", 58000, 0, seqid=3))
                 state = p.server.listeners["test"]
@@ -1247,9 +1237,7 @@ def test_slow_reader_of_a_buffered_stream_gets_everything():
     try:
         with Proxy(_buffered_config(f"127.0.0.1:{up.port}").replace(
                 "      - cluster: up", "      - cluster: up\n        timeout: 200ms")) as p:
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
-            s.connect(("127.0.0.1", p.port()))
+            s = small_window_client(p.port())
             expected = up.expected(b"echo", 3)
             with s:
                 s.sendall(request_bytes("buffered", "binary", "echo", b"", seqid=3))

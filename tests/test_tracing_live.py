@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from thrift.Thrift import TApplicationException
 
 from harness import (Handler, ProxyProcess, ThriftServer, client, free_port, read_messages,
-                     request_bytes)
+                     request_bytes, small_window_client)
 from proxy import spans
 from sidecar_test.ttypes import NotFound
 from spans_util import Traced, median, ms
@@ -325,9 +325,7 @@ def test_slow_reader_of_a_15mb_reply_shows_in_write_response(upstream):
     text = cfg([upstream], cluster_extra="\n    max_reply_size: 16MiB")
     with Traced(text) as t:
         reads = []
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
-            s.connect(("127.0.0.1", t.port()))
+        with small_window_client(t.port()) as s:
             s.settimeout(30)
             for i in range(5):
                 s.sendall(request_bytes("framed", "binary", "echo", payload, seqid=i + 1))
@@ -371,11 +369,9 @@ def _fionread(sock) -> int:
 def test_client_pausing_300ms_on_a_500kb_reply_shows_in_write_response(upstream):
     """The kernel takes the 500 KB at once (handed_ms ~0); the client acknowledges only as it reads."""
     with Traced(cfg([upstream])) as t:
-        with socket.socket() as s:
-            # a fixed receive buffer (no autotuning): 500 KB does not fit, so the rest waits in the
-            # proxy's kernel until the client reads
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 128 * 1024)
-            s.connect(("127.0.0.1", t.port()))
+        # a fixed receive buffer (no autotuning): 500 KB does not fit, so the rest waits in the
+        # proxy's kernel until the client reads
+        with small_window_client(t.port(), 128 * 1024) as s:
             s.settimeout(10)
             sizes = []
             for i in range(5):
@@ -598,9 +594,7 @@ def test_client_that_never_reads_its_reply_is_traced_with_the_wait(upstream, mon
     from proxy import listener
     monkeypatch.setattr(listener, "ACK_CAP_NS", 1_000_000_000)
     with Traced(cfg([upstream]), ratio=0.0) as t:
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            s.connect(("127.0.0.1", t.port()))
+        with small_window_client(t.port(), 4096) as s:
             s.sendall(request_bytes("framed", "binary", "get_users", 400, 0, seqid=1))
             calls = t.wait_calls(1, timeout=10)
             page = t.proxy.server.metrics.exposition().decode()

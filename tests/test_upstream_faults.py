@@ -17,7 +17,7 @@ import pytest
 from thrift.Thrift import TApplicationException
 
 from harness import (STRICT_REPLY, Proxy, RawUpstream, app_exception, config_text, read_messages, reply_bytes,
-                     request_bytes)
+                     request_bytes, small_window_client)
 from proxy.codec import MessageType
 
 MiB = 1024 * 1024
@@ -281,9 +281,7 @@ def test_client_gone_mid_stream_releases_the_upstream_connection(upstream):
     with Proxy(_config(upstream, "64MiB", "1MiB")) as p:
         assert _call(p.port(), "lookup", "warm").type == MessageType.REPLY
         upstream.plan.append(f"oversize:{size}")  # a valid head, then 24 MiB sent at the client's pace
-        s = socket.socket()
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)
-        s.connect(("127.0.0.1", p.port()))
+        s = small_window_client(p.port(), 32 * 1024)
         s.sendall(request_bytes("framed", "binary", "lookup", "big", seqid=7))
         s.recv(65536)
         time.sleep(0.5)  # the stream is paused behind this client
