@@ -418,7 +418,10 @@ class ClientConnection(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         if self.closing:
-            return False
+            # Closing already (a refused request, a read deadline, our own lingering close):
+            # replies still owed are written first (False would close the transport at once and
+            # lose them with their calls); call_done closes it after the last.
+            return bool(self.queue)
         up = self.upload
         if up is not None:  # answer it (the client half-closed), then close
             self._upload_broken(f"bad request: connection closed inside a request ({up.progress()})")

@@ -497,6 +497,26 @@ def test_half_closed_after_complete_requests_still_answered(guard, count):
         assert all(m.type == MessageType.REPLY for m in msgs)
 
 
+@pytest.mark.parametrize("bad", ["garbage", "oversized", "empty"])
+def test_half_closed_after_a_malformed_request_still_gets_the_earlier_replies(guard, bad):
+    """A call, then a frame the codec refuses (which stops the reading), then the client
+    half-closes: the call's reply and the PROTOCOL_ERROR are still written, in order, then the
+    proxy closes. (Before, the half-close of a connection already closing closed it at once: the
+    call ran upstream and its reply was lost with the error's.)"""
+    frame = {"garbage": b"\x00\x00\x00\x05garba",
+             "oversized": struct.pack("!i", 100 * MiB) + request_bytes("framed", "binary", "ping", seqid=2)[4:],
+             "empty": b"\x00\x00\x00\x00"}[bad]
+    with socket.create_connection(("127.0.0.1", guard.framed)) as s:
+        s.sendall(request_bytes("framed", "binary", "sleep", 300, seqid=1) + frame)
+        time.sleep(0.05)  # (the proxy has refused the frame: its reading has stopped)
+        s.shutdown(socket.SHUT_WR)
+        data, eof = read_all_until_eof(s, 10)
+    assert eof
+    msgs = decode_all(data)
+    assert [(m.seqid, m.type) for m in msgs[:1]] == [(1, MessageType.REPLY)], msgs
+    assert len(msgs) == 2 and msgs[1].type == MessageType.EXCEPTION, msgs
+
+
 # -- clients that never read their replies --------------------------------------------------------
 
 
