@@ -420,6 +420,36 @@ def test_theader_block_errors():
     fails(fh, Framing.FRAMED_HEADER, B, starts="bad request: framed THeader: inner length does not match")
 
 
+def test_theader_block_header_count_is_bounded():
+    """At most MAX_HEADERS key/value headers are read from one block: each costs the event loop
+    ~1 µs, and a 256 KiB block of empty pairs cost every other client ~170 ms. A count the
+    block's bytes cannot hold is refused before any is read."""
+    from proxy.codec.theader import MAX_HEADERS, MAX_TRANSFORMS
+
+    f = fx(Framing.HEADER, B, "ping-call")
+    ok = encode_header_frame(HeaderBlock(0, 9, 0, (), {f"k{i}": "" for i in range(MAX_HEADERS)}), f.plain)
+    d = Decoder(Framing.HEADER, B)
+    d.feed(ok)
+    m = d.next_message()
+    assert (m.name, len(m.headers)) == ("ping", MAX_HEADERS)
+    many = encode_header_frame(HeaderBlock(0, 9, 0, (), {f"k{i}": "" for i in range(MAX_HEADERS + 1)}), f.plain)
+    err = fails(many, Framing.HEADER, B, starts=f"bad request: THeader block has {MAX_HEADERS + 1} headers "
+                                                 f"(at most {MAX_HEADERS})")
+    assert_head(err, "", 9)
+    transforms = encode_header_frame(HeaderBlock(0, 9, 0, (1,) * (MAX_TRANSFORMS + 1), {}), f.plain)
+    fails(transforms, Framing.HEADER, B, starts=f"bad request: THeader block has {MAX_TRANSFORMS + 1} transforms")
+    # counts the 256-byte block cannot hold (zeros after them): told before any header is read
+    good = encode_header_frame(HeaderBlock(0, 9, 0, (), {}), f.plain)
+    for count, says in [(b"\x80\x80\x80\x80\x80\x80\x80\x80\x10", f"has {2 ** 60} headers"),  # 2^60
+                        (b"\xe8\x07", "truncated THeader header block")]:  # 1000, 2 bytes each at least
+        block = b"\x00\x00" + b"\x01" + count
+        block += bytes(256 - len(block))
+        frame = good[4:12] + struct.pack("!H", 64) + block + f.plain
+        err = fails(struct.pack("!i", len(frame)) + frame, Framing.HEADER, B, starts="bad request: ")
+        assert says in err.message, err.message
+        assert_head(err, "", 9)
+
+
 @pytest.mark.parametrize("protocol", [B, C])
 def test_zlib_garbage(protocol):
     data = encode_header_frame(HeaderBlock(0, 4, protocol.header_id, (1,), {}), b"not zlib at all")

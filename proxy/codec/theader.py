@@ -35,6 +35,11 @@ _HDR_FIXED = struct.Struct("!HHiH")
 _I32 = struct.Struct("!i")
 
 SUPPORTED_TRANSFORMS = frozenset((THEADER_TRANSFORM_ZLIB,))
+# At most this many key/value headers in one block (all its KEYVALUE sections together), and
+# transforms. Each header costs ~1 µs of the event loop to read: without a bound, one 256 KiB
+# block of empty pairs held every other client up for ~170 ms. Real blocks carry a handful.
+MAX_HEADERS = 1024
+MAX_TRANSFORMS = 16
 # How much of a deflated payload is inflated to read its head (and a reply's first field).
 INFLATE_PREFIX = 64 * 1024 + 64
 
@@ -72,16 +77,20 @@ def parse_header_block(buf, start: int, end: int, framing: Framing) -> tuple[Hea
     try:
         pid, p = _varint(buf, hstart, hend)
         count, p = _varint(buf, p, hend)
+        _bound(count, MAX_TRANSFORMS, hend - p, 1, "transforms")
         transforms = []
         for _ in range(count):
             t, p = _varint(buf, p, hend)
             transforms.append(t)
         headers: dict[str, str] = {}
+        read = 0
         while p < hend:
             info, p = _varint(buf, p, hend)
             if info != THEADER_INFO_KEYVALUE:
                 break  # padding (0) or an info type we do not read
             n, p = _varint(buf, p, hend)
+            read += n
+            _bound(read, MAX_HEADERS, hend - p, 2, "headers")
             for _ in range(n):
                 k, p = _string(buf, p, hend)
                 v, p = _string(buf, p, hend)
@@ -101,6 +110,15 @@ def parse_header_block(buf, start: int, end: int, framing: Framing) -> tuple[Hea
             close=False,
         )
     return block, hend
+
+
+def _bound(count: int, limit: int, left: int, least: int, what: str) -> None:
+    """Refuse a count of items before reading them: over `limit`, or more than the `left` bytes
+    of the block can hold at `least` bytes each (a count of 2^60 is not walked to the end)."""
+    if count > limit:
+        raise ProtocolError(f"bad request: THeader block has {count} {what} (at most {limit})")
+    if count * least > left:
+        raise ProtocolError("bad request: truncated THeader header block")
 
 
 def _varint(buf, p: int, end: int) -> tuple[int, int]:
