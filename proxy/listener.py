@@ -841,6 +841,8 @@ class ClientConnection(asyncio.Protocol):
         if not self.closing:
             self.closing = True
             self._disarm_read()
+        if not self.queue:  # (a oneway's: no error reply, after which call_done would close)
+            self._close_after_replies()
 
     def _oneway_name(self, name: str) -> bool:
         """A method the listener treats as oneway (`oneway_methods`, the IDL's) even when sent

@@ -15,6 +15,7 @@ import pytest
 
 import codec_fixtures as cf
 from proxy.codec import AppErrorType, Decoder, Framing, Head, HeaderBlock, Protocol, ProtocolError, reframe
+from proxy.codec.heads import write_varint
 from proxy.codec.theader import encode_header_frame
 
 B, C, NS = Protocol.BINARY, Protocol.COMPACT, Protocol.BINARY_NONSTRICT
@@ -438,8 +439,30 @@ def test_theader_block_header_count_is_bounded():
     assert_head(err, "", 9)
     transforms = encode_header_frame(HeaderBlock(0, 9, 0, (1,) * (MAX_TRANSFORMS + 1), {}), f.plain)
     fails(transforms, Framing.HEADER, B, starts=f"bad request: THeader block has {MAX_TRANSFORMS + 1} transforms")
-    # counts the 256-byte block cannot hold (zeros after them): told before any header is read
     good = encode_header_frame(HeaderBlock(0, 9, 0, (), {}), f.plain)
+
+    def sections(*groups: dict) -> bytes:
+        """A frame like `good` whose block holds one KEYVALUE section (info id 1) per group."""
+        block = bytearray(b"\x00\x00")
+        for g in groups:
+            block.append(1)
+            write_varint(block, len(g))
+            for t in (t for kv in g.items() for t in kv):
+                write_varint(block, len(t))
+                block += t.encode()
+        block += bytes(-len(block) % 4)
+        frame = good[4:12] + struct.pack("!H", len(block) // 4) + bytes(block) + f.plain
+        return struct.pack("!i", len(frame)) + frame
+
+    # several sections: the bound counts them together, each section's count against its own bytes
+    d = Decoder(Framing.HEADER, B)
+    d.feed(sections({"a": "1", "b": "2", "c": "3"}, {"d": "4"}))
+    assert d.next_message().headers == {"a": "1", "b": "2", "c": "3", "d": "4"}
+    half = MAX_HEADERS // 2 + 1
+    err = fails(sections({f"a{i}": "" for i in range(half)}, {f"b{i}": "" for i in range(half)}), Framing.HEADER, B,
+                starts=f"bad request: THeader block has {2 * half} headers (at most {MAX_HEADERS})")
+    assert_head(err, "", 9)
+    # counts the 256-byte block cannot hold (zeros after them): told before any header is read
     for count, says in [(b"\x80\x80\x80\x80\x80\x80\x80\x80\x10", f"has {2 ** 60} headers"),  # 2^60
                         (b"\xe8\x07", "truncated THeader header block")]:  # 1000, 2 bytes each at least
         block = b"\x00\x00" + b"\x01" + count

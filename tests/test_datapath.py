@@ -438,6 +438,35 @@ def test_deflated_request_inflating_past_the_limit_is_refused(limit):
         up.stop()
 
 
+def test_a_deflated_oneway_inflating_past_the_limit_closes_the_connection():
+    """As for a call (above), but a oneway gets no error reply: the connection closes all the
+    same. (Before, it only stopped reading: nothing closed it, not even idle_timeout, and the
+    client's next calls on it went unanswered.)"""
+    from thrift.protocol import THeaderProtocol
+    from thrift.transport import THeaderTransport, TTransport
+
+    from harness import HEADER_TYPES, TestService
+
+    up = ThriftServer("framed", "binary")
+    try:
+        with Proxy(config_text([up.address], transport="header", cluster_transport="framed",
+                               extra_listener="\n    max_frame_size: 1000000")) as p:
+            buf = TTransport.TMemoryBuffer()
+            prot = THeaderProtocol.THeaderProtocol(buf, HEADER_TYPES)
+            prot.add_transform(THeaderTransport.THeaderTransformID.ZLIB)
+            TestService.Client(prot).send_log_event("x" * 2_000_000)
+            frame = buf.getvalue()
+            assert len(frame) < 100_000
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(frame)
+                s.settimeout(5)
+                assert s.recv(1) == b""  # closed, with nothing to say
+            with client(p.port(), "header", "binary") as ok:  # the proxy keeps serving
+                assert ok.lookup("a") == "upstream:a"
+    finally:
+        up.stop()
+
+
 def test_finished_calls_are_freed_by_reference_counting():
     """A finished call, its attempts and its request are freed as soon as nothing holds them, not
     left for the cyclic GC (call <-> attempt is a cycle until the call is over): with the GC off,

@@ -90,7 +90,7 @@ def parse_header_block(buf, start: int, end: int, framing: Framing) -> tuple[Hea
                 break  # padding (0) or an info type we do not read
             n, p = _varint(buf, p, hend)
             read += n
-            _bound(read, MAX_HEADERS, hend - p, 2, "headers")
+            _bound(read, MAX_HEADERS, hend - p, 2, "headers", n)
             for _ in range(n):
                 k, p = _string(buf, p, hend)
                 v, p = _string(buf, p, hend)
@@ -112,12 +112,13 @@ def parse_header_block(buf, start: int, end: int, framing: Framing) -> tuple[Hea
     return block, hend
 
 
-def _bound(count: int, limit: int, left: int, least: int, what: str) -> None:
-    """Refuse a count of items before reading them: over `limit`, or more than the `left` bytes
-    of the block can hold at `least` bytes each (a count of 2^60 is not walked to the end)."""
+def _bound(count: int, limit: int, left: int, least: int, what: str, coming: int | None = None) -> None:
+    """Refuse items before reading them: `count` in all over `limit`, or more `coming` (default:
+    `count`) than the `left` bytes of the block can hold at `least` bytes each (a count of 2^60
+    is not walked to the end)."""
     if count > limit:
         raise ProtocolError(f"bad request: THeader block has {count} {what} (at most {limit})")
-    if count * least > left:
+    if (count if coming is None else coming) * least > left:
         raise ProtocolError("bad request: truncated THeader header block")
 
 
