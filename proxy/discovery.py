@@ -79,6 +79,16 @@ class Source:
         self.failures = 0
         self.last_update = 0.0
 
+    def inherit(self, old: Source) -> None:
+        """Start from `old`'s last good set: this source replaces it for the same endpoints
+        config (a reload rebuilt the cluster for another key). Its first round then updates the
+        set as any round does, or keeps it if discovery fails just then: a half-written file or
+        a DNS hiccup during a reload must not leave the rebuilt cluster with no endpoints."""
+        if old.current is not None and self.current is None:
+            self.current = old.current
+            self.last_error = old.last_error
+            self.cluster.set_endpoints([Endpoint(h, p, w) for h, p, w in old.current])
+
     async def start(self) -> None:
         await self.refresh()
         self.task = asyncio.get_running_loop().create_task(self._loop(), name=f"discovery:{self.cluster.name}")

@@ -220,6 +220,9 @@ class Server:
                 continue
             cluster = build_cluster(c, self.loop, self.rng, self.resolver)
             resilience.attach(cluster, c, monotonic)
+            if (old is not None and old.discovery is not None and cluster.discovery is not None
+                    and self._cluster_cfg[c.name].endpoints == c.endpoints):
+                cluster.discovery.inherit(old.discovery)  # (the same source: its last good set)
             clusters[c.name] = fresh[c.name] = cluster
         retired = [c for name, c in self.clusters.items() if clusters.get(name) is not c]
         self.clusters = clusters

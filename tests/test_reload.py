@@ -11,6 +11,8 @@ import threading
 import time
 import urllib.request
 
+import pytest
+
 from harness import (Handler, Proxy, ProxyProcess, ThriftServer, client, free_ports,
                      listening, wait_for)
 
@@ -146,6 +148,54 @@ def test_connections_of_a_removed_listener_keep_working_on_the_old_config():
     finally:
         a.stop()
         b.stop()
+
+
+@pytest.mark.parametrize("source", ["dns", "file"])
+def test_reload_rebuilding_a_cluster_while_its_discovery_fails_keeps_the_last_good_set(source, tmp_path):
+    """Discovery fails (DNS down, the endpoints file half-written) and the cluster keeps its last
+    good set; a reload then rebuilds that cluster (another key changed). The rebuilt cluster's
+    first discovery round fails too: it keeps the set its predecessor had, not none. (Before,
+    the reload succeeded and every call failed "not sent: cluster 'up' has no endpoints".)"""
+    up = ThriftServer()
+    dns_up = [True]
+
+    async def resolver(host: str) -> list[str]:
+        if not dns_up[0]:
+            raise OSError(-3, "Temporary failure in name resolution")
+        return ["127.0.0.1"]
+
+    path = tmp_path / "endpoints.yaml"
+    path.write_text(f"- address: 127.0.0.1:{up.port}\n")
+    endpoints = (f"{{dns: {{name: 'users.svc:{up.port}', refresh: 100ms}}}}" if source == "dns"
+                 else f"{{file: '{path}'}}")
+
+    def text(connect_timeout: str) -> str:
+        return f"""
+listeners:
+  - name: test
+    service: TestService
+    listen: 127.0.0.1:0
+    routes: [{{cluster: up}}]
+clusters:
+  - name: up
+    endpoints: {endpoints}
+    connect_timeout: {connect_timeout}
+"""
+
+    try:
+        with Proxy(text("250ms"), resolver=resolver) as p, client(p.port()) as c:
+            assert c.lookup("a") == "upstream:a"
+            if source == "dns":
+                dns_up[0] = False
+            else:
+                path.write_text("- address: [half-writ")
+            time.sleep(0.6)  # (a refresh or the file watch has failed by now)
+            assert c.lookup("b") == "upstream:b"  # the last good set, kept
+            assert _apply(p, text("300ms"))  # the cluster is rebuilt
+            assert c.lookup("c") == "upstream:c"
+            assert p.call(lambda: len(p.server.clusters["up"].endpoints)) == 1
+    finally:
+        up.stop()
 
 
 def test_reload_rebuilding_a_cluster_replaces_its_health_checker():
