@@ -431,7 +431,7 @@ class Server:
                 self._retiring.append(c)
             self._sweep_retired()
             self._set_watch(config)
-            self._changed_at_restart(prev_config, config)
+            self.config = self._changed_at_restart(prev_config, config)
             self.reloads["ok"] += 1
             log.info("reloaded %s: %d listener(s), %d cluster(s) (%d rebuilt)", self.path or "config",
                      len(config.listeners), len(config.clusters), len(fresh))
@@ -479,8 +479,10 @@ class Server:
                 slot.state = ListenerState(slot.settings, slot.pipeline, self.loop)
         return slots
 
-    def _changed_at_restart(self, prev: cfgmod.Config, config: cfgmod.Config) -> None:
-        """Apply logging changes; warn about the settings a reload cannot change."""
+    def _changed_at_restart(self, prev: cfgmod.Config, config: cfgmod.Config) -> cfgmod.Config:
+        """Apply logging changes; warn about the settings a reload cannot change. Returns the
+        config now in effect (what admin `/config` shows): `config`, with those settings as they
+        still are (`prev`'s) until the restart."""
         if config.logging != prev.logging:
             if self.owns_logging:
                 setup_logging(config.logging)
@@ -489,6 +491,8 @@ class Server:
             log.warning("tracing settings changed: they take effect at the next restart")
         if config.admin != prev.admin or config.metrics_listen != prev.metrics_listen:
             log.warning("admin settings changed (admin, metrics_listen): they take effect at the next restart")
+        return config.model_copy(update={"tracing": prev.tracing, "admin": prev.admin,
+                                         "metrics_listen": prev.metrics_listen})
 
     def _sweep_retired(self) -> None:
         """Forget retired listeners whose connections all closed; close retired clusters that no

@@ -361,6 +361,10 @@ def test_reload_applies_logging_and_warns_admin_changes_wait_for_a_restart():
                  what="debug lines after the reload turned debug on")
         assert "take effect at the next restart" in p.output()
         assert listening(admin)
+        with urllib.request.urlopen(f"http://127.0.0.1:{admin}/config", timeout=5) as r:
+            shown = json.load(r)  # the config in effect: the new logging, the admin still running
+        assert shown["logging"]["level"] == "debug"
+        assert shown["admin"]["listen"] == f"127.0.0.1:{admin}", shown["admin"]
     up.stop()
 
 
