@@ -94,26 +94,11 @@ class Cluster:
             return None
         for ep in eps:  # the common case, every endpoint healthy with a closed breaker: no copy
             if not ep.healthy or (ep.breaker is not None and ep.breaker.state is not CLOSED):
-                healthy = [ep for ep in eps if ep.healthy and (ep.breaker is None or ep.breaker.allows())]
+                eps = self._usable(eps)
                 break
         else:
-            healthy = eps
-        if len(healthy) != len(eps):
-            out = len(eps) - len(healthy)
-            panic = panicking(out, len(eps), self.max_open_percent)
-            if panic != self.panicking:
-                self.panicking = panic
-                if panic:
-                    log.warning("cluster %s panics: %d of %d endpoints out (breaker open or health check "
-                                "failing; more than %g%%); ignoring health",
-                                self.name, out, len(eps), self.max_open_percent)
-                else:
-                    log.info("cluster %s leaves panic", self.name)
-            if not panic:
-                eps = healthy
-        elif self.panicking:
-            self.panicking = False
-            log.info("cluster %s leaves panic", self.name)
+            if self.panicking:
+                self._usable(eps)  # (leaves panic)
         if not eps:
             return None
         if exclude:
@@ -212,7 +197,25 @@ class Cluster:
             for pool in ep.pools.values():
                 pool.close()
 
+    def _usable(self, eps: list[Endpoint]) -> list[Endpoint]:
+        """The endpoints a pick may use when some may be out (health check failing, breaker
+        open): the others, or all of them while the cluster panics. Keeps `panicking` current."""
+        healthy = [ep for ep in eps if ep.healthy and (ep.breaker is None or ep.breaker.allows())]
+        out = len(eps) - len(healthy)
+        panic = out > 0 and panicking(out, len(eps), self.max_open_percent)
+        if panic != self.panicking:
+            self.panicking = panic
+            if panic:
+                log.warning("cluster %s panics: %d of %d endpoints out (breaker open or health check "
+                            "failing; more than %g%%); ignoring health",
+                            self.name, out, len(eps), self.max_open_percent)
+            else:
+                log.info("cluster %s leaves panic", self.name)
+        return eps if panic else healthy
+
     def snapshot(self) -> dict:
+        if self.endpoints:
+            self._usable(self.endpoints)  # (panicking as of now, not as of the last pick)
         return {
             "name": self.name, "panicking": self.panicking, **self.stats,
             "discovery": self.discovery.snapshot() if self.discovery is not None else {"kind": "static"},

@@ -11,6 +11,8 @@ import logging
 import random
 import struct
 
+import pytest
+
 from harness import Proxy, RawUpstream, ThriftServer, wait_for
 from proxy.codec import Framing, Protocol
 from proxy.endpoint import Endpoint
@@ -151,3 +153,28 @@ def test_a_check_that_raises_is_a_failed_check_logged_and_the_others_go_on(caplo
         assert any(f"{bad.label} in cluster up failed: check raised UnicodeError" in m for m in lines), lines
     finally:
         toggled.stop()
+
+
+def test_stats_say_the_panic_is_over_once_health_is_back_without_a_call():
+    """Both endpoints fail their checks: a call finds the cluster panicking. Both pass again:
+    /stats says it is not panicking any more, with no call in between (before, the flag was
+    only updated by the next call's pick)."""
+    from harness import client, free_ports
+
+    pa, pb = free_ports(2)
+    with Proxy(cfg([f"127.0.0.1:{pa}", f"127.0.0.1:{pb}"])) as p:
+        def state() -> tuple[bool, list]:
+            up = p.call(p.server.snapshot)["clusters"]["up"]
+            return up["panicking"], sorted(p.call(lambda: [e.healthy for e in p.server.clusters["up"].endpoints]))
+
+        wait_for(lambda: state()[1] == [False, False], timeout=5, what="both endpoints out")
+        with pytest.raises(Exception), client(p.port()) as c:
+            c.ping()  # (nothing listens: the call fails, the pick finds the cluster panicking)
+        assert state() == (True, [False, False])
+        a, b = ThriftServer(port=pa), ThriftServer(port=pb)
+        try:
+            wait_for(lambda: state()[1] == [True, True], timeout=5, what="both endpoints back")
+            assert state()[0] is False, "/stats still says the cluster panics"
+        finally:
+            a.stop()
+            b.stop()
