@@ -80,6 +80,12 @@ class StartError(Exception):
         return f"{path}:{cfgmod.line_of_key(path, self.loc)}: {key}: {self.message}"
 
 
+def _tls_start_error(config: cfgmod.Config, e: TlsError) -> StartError:
+    """A cluster's TLS files cannot be used: said at its `tls` key."""
+    i = next((i for i, c in enumerate(config.clusters) if c.name == e.cluster), 0)
+    return StartError(("clusters", i, "tls", e.field), f"cannot use {e.detail}")
+
+
 class ListenError(StartError):
     """A configured address cannot be listened on at startup."""
 
@@ -204,8 +210,7 @@ class Server:
         except TlsError as e:
             if self.telemetry is not None and self._own_telemetry:
                 self.telemetry.shutdown(0.0)
-            i = next((i for i, c in enumerate(config.clusters) if c.name == e.cluster), 0)
-            raise StartError(("clusters", i, "tls", e.field), f"cannot use {e.detail}") from None
+            raise _tls_start_error(config, e) from None
 
     # -- building ----------------------------------------------------------------------
 
@@ -365,16 +370,19 @@ class Server:
             old_clusters, old_cfg = self.clusters, self._cluster_cfg
             slots: list[_Slot] = []
             try:
-                fresh, retired = self._build_clusters(config)
+                try:
+                    fresh, retired = self._build_clusters(config)
+                except TlsError as e:
+                    raise _tls_start_error(config, e) from None
                 slots = self._plan_listeners(config)
                 for slot in slots:
                     if slot.server is None:
                         try:
                             slot.server = await self._bind(slot.lc, slot.state, start_serving=False)
                         except OSError as e:
-                            why = os.strerror(e.errno) if e.errno else str(e)
-                            raise ValueError(f"listener {slot.lc.name} cannot listen on {slot.lc.listen}: "
-                                             f"{why}") from None
+                            i = next(i for i, lc in enumerate(config.listeners) if lc is slot.lc)
+                            raise ListenError(("listeners", i, "listen"), slot.lc.listen.host,
+                                              slot.lc.listen.port, e) from None
                         slot.fresh_server = True
             except Exception as e:  # e.g. unreadable TLS files, a bad IDL, a port in use
                 for slot in slots:
@@ -386,7 +394,9 @@ class Server:
                             c.close()  # built for this config, never started
                 self.clusters, self._cluster_cfg = old_clusters, old_cfg
                 self.reloads["failed"] += 1
-                log.error("reload rejected: %s; the old config keeps serving", e)
+                # (said as `run` says it at start: FILE:LINE: key.path: message, where it has a key)
+                log.error("reload rejected: %s; the old config keeps serving",
+                          e.line(self.path) if isinstance(e, StartError) else e)
                 return False
             # -- commit: nothing below fails the reload
             await self._start_clusters(fresh.values())  # replaced clusters' checkers closed first

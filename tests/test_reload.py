@@ -225,7 +225,9 @@ def test_reload_rebuilding_a_cluster_replaces_its_health_checker():
         up.stop()
 
 
-def test_reload_moving_a_listener_to_a_port_in_use_keeps_the_old_one():
+def test_reload_moving_a_listener_to_a_port_in_use_keeps_the_old_one(caplog):
+    """...and says why as `run` would at start: the key path and the reason (FILE:LINE in a
+    process that has a config file; `<config>:1` here)."""
     up = ThriftServer()
     port, busy_port = free_ports(2)
     with socket.socket() as busy:
@@ -235,7 +237,12 @@ def test_reload_moving_a_listener_to_a_port_in_use_keeps_the_old_one():
             with Proxy(_one_listener("test", port, up.address)) as p:
                 kept = client(port)
                 assert not _apply(p, _one_listener("test", busy_port, up.address))
-                assert p.server.reloads == {"ok": 0, "failed": 1}
+                assert (f"reload rejected: <config>:1: listeners[0].listen: cannot listen on 127.0.0.1:{busy_port}: "
+                        "address already in use") in caplog.text
+                tls = _one_listener("test", port, up.address, "\n    tls: {ca: /nonexistent/ca.pem}")
+                assert not _apply(p, tls)
+                assert "reload rejected: <config>:1: clusters[0].tls.ca: cannot use /nonexistent/ca.pem" in caplog.text
+                assert p.server.reloads == {"ok": 0, "failed": 2}
                 assert p.server.config.listeners[0].listen.port == port  # the old config goes on
                 assert kept.lookup("k") == "upstream:k"
                 with client(port) as c:
