@@ -77,7 +77,8 @@ def parse_header_block(buf, start: int, end: int, framing: Framing) -> tuple[Hea
     try:
         pid, p = _varint(buf, hstart, hend)
         count, p = _varint(buf, p, hend)
-        _bound(count, MAX_TRANSFORMS, hend - p, 1, "transforms")
+        _at_most(count, MAX_TRANSFORMS, "transforms")
+        _fits(count, 1, hend - p)
         transforms = []
         for _ in range(count):
             t, p = _varint(buf, p, hend)
@@ -90,7 +91,8 @@ def parse_header_block(buf, start: int, end: int, framing: Framing) -> tuple[Hea
                 break  # padding (0) or an info type we do not read
             n, p = _varint(buf, p, hend)
             read += n
-            _bound(read, MAX_HEADERS, hend - p, 2, "headers", n)
+            _at_most(read, MAX_HEADERS, "headers")  # (all its sections together)
+            _fits(n, 2, hend - p)
             for _ in range(n):
                 k, p = _string(buf, p, hend)
                 v, p = _string(buf, p, hend)
@@ -112,13 +114,16 @@ def parse_header_block(buf, start: int, end: int, framing: Framing) -> tuple[Hea
     return block, hend
 
 
-def _bound(count: int, limit: int, left: int, least: int, what: str, coming: int | None = None) -> None:
-    """Refuse items before reading them: `count` in all over `limit`, or more `coming` (default:
-    `count`) than the `left` bytes of the block can hold at `least` bytes each (a count of 2^60
-    is not walked to the end)."""
+def _at_most(count: int, limit: int, what: str) -> None:
+    """Refuse a block with more than `limit` items of a kind, before reading them."""
     if count > limit:
         raise ProtocolError(f"bad request: THeader block has {count} {what} (at most {limit})")
-    if (count if coming is None else coming) * least > left:
+
+
+def _fits(count: int, least: int, left: int) -> None:
+    """Refuse `count` items of `least` bytes each or more that the `left` bytes of the block cannot
+    hold, before reading them (a count of 2^60 is not walked to the end)."""
+    if count * least > left:
         raise ProtocolError("bad request: truncated THeader header block")
 
 
