@@ -638,6 +638,11 @@ def test_a_held_reply_read_whole_early_keeps_its_timeout_credit():
         pool = "\n    pool: {max_connections: 2, acquire_timeout: 2s}"
         text = _routes_config(up.address, "        timeout: 800ms\n").replace(
             "    max_reply_size: 300MiB", "    max_reply_size: 300MiB" + pool)
+        # The ping waits for the held reply's ~0.75 s read: on the sleep's route, with no timeout
+        # (the 800 ms route is the echo's; on it the ping had ~50 ms to spare, too few under load).
+        sleep_route = "      - match: {method: sleep}\n        cluster: up\n"
+        text = text.replace(sleep_route, sleep_route + sleep_route.replace("sleep", "ping"))
+        assert "method: ping" in text
         with Proxy(text) as p:
             done = []
             p.server.listeners["test"].pipeline.on_complete = done.append
