@@ -42,7 +42,7 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 RUN python -m venv --without-pip /opt/venv \
  && pip --python /opt/venv/bin/python install --no-index --no-cache-dir --find-links /wheels \
       /wheels/thrift_sidecar-*.whl \
- && /opt/venv/bin/python -c "import uvloop, proxy.cli; from thrift.protocol import fastbinary; from proxy.codec import _scan, _message; from proxy import _hops, _sockq" \
+ && /opt/venv/bin/python -c "import uvloop, proxy.cli; from thrift.protocol import fastbinary; from proxy.codec import _scan, _message; from proxy import _hops, _sockq, _otlp" \
  && /opt/venv/bin/thrift-sidecar --help >/dev/null
 
 # ---------------------------------------------------------------------------------------------

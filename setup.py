@@ -4,6 +4,7 @@
     proxy.codec._message   Message's fields and the one-read framed shortcut (proxy.codec.message; TAKE_IMPL)
     proxy._hops            a finished call's hop histograms (proxy.metrics; HOPS_IMPL)
     proxy._sockq           a TCP socket's queue sizes, GIL held (proxy.sockets; SOCKQ_IMPL)
+    proxy._otlp            a call's spans as OTLP protobuf (proxy.otlp; SPANS_IMPL)
 
 Everything else about the package is in pyproject.toml. The extensions are optional:
 if one cannot be compiled (no C compiler or Python headers) the build warns and goes
@@ -25,6 +26,7 @@ setup(
             ("proxy.codec._message", "proxy/codec/_message.c"),
             ("proxy._hops", "proxy/_hops.c"),
             ("proxy._sockq", "proxy/_sockq.c"),
+            ("proxy._otlp", "proxy/_otlp.c"),
         ]
     ],
 )

@@ -21,6 +21,12 @@ checks that the bytes parse into the very message the SDK builds.
     trace = trace_prefix(trace_id, trace_state)
     chunk = encoder.span(trace, span_id, parent_id, remote, name, KIND_SERVER, t0, t1, attrs, None)
     data = encoder.request([chunk, ...])   # one ResourceSpans, one ScopeSpans, the spans in order
+    chunk = encoder.spans(trace, plan)     # a call's whole plan (proxy.telemetry) at once
+
+`Encoder.spans` runs the compiled twin `proxy._otlp.encode_spans` when it was built (SPANS_IMPL;
+THRIFT_SIDECAR_PURE_PYTHON=1 forces Python): the same bytes (tests/test_otlp_compiled.py), ~1 µs
+per span instead of ~3. What it does not handle (attribute values other than str, bool, int and
+float, and anything malformed) it leaves to `span`, for the whole call.
 
 A span is written as its `ScopeSpans.spans` field (tag, length, body), so the spans of many
 calls are joined as they are. Field numbers are from opentelemetry-proto `trace/v1/trace.proto`,
@@ -33,9 +39,16 @@ import logging
 import struct
 from collections.abc import Mapping, Sequence
 
+from proxy.codec.twins import load, pure_forced
+
 log = logging.getLogger(__name__)
 
-__all__ = ["Encoder", "trace_prefix", "varint", "KIND_INTERNAL", "KIND_SERVER", "KIND_CLIENT", "STATUS_ERROR"]
+__all__ = ["Encoder", "trace_prefix", "varint", "KIND_INTERNAL", "KIND_SERVER", "KIND_CLIENT", "STATUS_ERROR",
+           "SPANS_IMPL"]
+
+_otlp = None if pure_forced() else load("proxy._otlp")
+SPANS_IMPL = "c" if _otlp is not None else "python"  # which twin Encoder.spans runs
+_encode_spans = _otlp.encode_spans if _otlp is not None else None
 
 # Span.kind (OTLP counts SPAN_KIND_UNSPECIFIED as 0)
 KIND_INTERNAL, KIND_SERVER, KIND_CLIENT = 1, 2, 3
@@ -186,6 +199,21 @@ class Encoder:
         resource_spans = len(self._resource) + len(ss_head) + scope_spans + len(self._resource_schema)
         return b"".join((b"\x0a", varint(resource_spans), self._resource, ss_head, self._scope, *spans,
                          self._scope_schema, self._resource_schema))
+
+    def spans(self, trace: bytes, plan: list) -> bytes:
+        """The spans of `plan` (`(name, span_id, parent_id, remote, kind, t0, t1, attrs, error)`
+        tuples, as `span` takes them) as `ScopeSpans.spans` fields, joined."""
+        if _encode_spans is not None:
+            data = _encode_spans(trace, plan)
+            if data is not None:
+                return data
+        return self.pure_spans(trace, plan)
+
+    def pure_spans(self, trace: bytes, plan: list) -> bytes:
+        """`spans` in Python: the reference for the compiled twin."""
+        encode = self.span
+        return b"".join([encode(trace, span_id, parent_id, remote, name, kind, t0, t1, attrs, error)
+                         for name, span_id, parent_id, remote, kind, t0, t1, attrs, error in plan])
 
     def span(self, trace: bytes, span_id: int, parent_id: int, remote: bool, name: str, kind: int,
              t0: int, t1: int, attrs: Mapping | None, error: str | None) -> bytes:

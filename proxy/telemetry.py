@@ -251,10 +251,7 @@ class Telemetry:
         trace_id, tracestate, _, plan = self.plan(call, service, listener, reason)
         # the trace state as the SDK's encoder writes it: parsed (invalid entries dropped), re-joined
         state = ",".join(f"{k}={v}" for k, v in TraceState.from_header([tracestate]).items()) if tracestate else None
-        trace = otlp.trace_prefix(trace_id, state)
-        encode = self.otlp.span
-        return b"".join([encode(trace, span_id, parent_id, remote, name, kind, t0, t1, attrs, error)
-                         for name, span_id, parent_id, remote, kind, t0, t1, attrs, error in plan])
+        return self.otlp.spans(otlp.trace_prefix(trace_id, state), plan)
 
     def plan(self, call, service: str, listener: str | None = None, reason: str | None = None):
         """What the spans of one finished call are, as plain tuples (the one place that decides).
