@@ -750,8 +750,13 @@ class Pipeline:
     # 9: answer ----------------------------------------------------------------------
 
     def _give_up(self, call: Call, error: UpstreamError, outcome: str | None = None) -> None:
+        """Answer with the last error. `outcome`: the last attempt's; a call an earlier attempt
+        may have run is `may_have_run` even when its last attempt was not sent (what the client
+        is told: `not_sent` would read as safe to send again)."""
         kind = "may have run" if (call.written or error.written) else "not sent"
-        call.outcome = outcome or (calls.MAY_HAVE_RUN if kind == "may have run" else calls.NOT_SENT)
+        if outcome is None or (outcome == calls.NOT_SENT and kind == "may have run"):
+            outcome = calls.MAY_HAVE_RUN if kind == "may have run" else calls.NOT_SENT
+        call.outcome = outcome
         self.fail(call, AppErrorType.INTERNAL_ERROR, f"{kind}: {error.message}")
 
     def fail(self, call: Call, app_type: AppErrorType, text: str) -> None:

@@ -19,6 +19,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from opentelemetry.trace import SpanKind, StatusCode
@@ -205,6 +206,36 @@ def test_retry_with_backoff_shape():
     assert "read_response" not in {s.name for s in call.children(first)}
     assert {s.name for s in call.children(second)} == {"acquire", "write_upstream", "service_time",
                                                        "read_response"}
+
+
+def test_a_call_that_may_have_run_says_so_when_its_last_attempt_was_not_sent():
+    """Attempt 1 is written and its connection lost (may have run), attempt 2 finds its endpoint
+    refusing connections (not sent). The client is told "may have run"; the call's outcome,
+    error.type and calls_total say so too, not `not_sent`, which reads as safe to send again
+    (found by a trace-truth hunt: the last attempt's outcome won)."""
+    dropper = ThriftServer(name="dropper")
+    dropper.handler.drop_after = {"lookup"}
+    dead = SimpleNamespace(address=f"127.0.0.1:{free_port()}")
+    text = cfg([dropper, dead],
+               route_extra="\n        retry: {attempts: 2, idempotent: true, backoff: {base: 1ms, max: 1ms}}",
+               cluster_extra="\n    circuit_breaker: {consecutive_failures: 0, failure_rate: 0.0}")
+    try:
+        with Traced(text) as t, client(t.port()) as c:
+            for i in range(4):
+                with pytest.raises(TApplicationException) as e:
+                    c.lookup(f"k{i}")
+                assert e.value.message.startswith("thrift-sidecar: may have run: "), e.value.message
+            calls = t.wait_calls(4)
+            metrics = t.proxy.server.metrics.exposition().decode()
+    finally:
+        dropper.stop()
+    orders = set()
+    for call in calls:
+        assert call.attrs[spans.OUTCOME] == "may_have_run", [c.attributes[spans.OUTCOME] for c in call.clients]
+        assert call.attrs[spans.ERROR_TYPE] == "may_have_run"
+        orders.add(tuple(c.attributes[spans.OUTCOME] for c in call.clients))
+    assert ("may_have_run", "not_sent") in orders  # the case itself (round robin: every other call)
+    assert 'outcome="not_sent"' not in metrics and 'outcome="may_have_run"' in metrics
 
 
 def test_timeout_shape(upstream):
