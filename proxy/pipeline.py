@@ -601,13 +601,18 @@ class Pipeline:
         self.stats["retries"] += 1
         call.attempt = None
         call.conn.unwait(call)  # (a reply read whole to wait its turn is dropped: its budget is free)
-        start = monotonic_ns()
-        call.retry_timer = self.loop.call_later(delay, self._retry_now, call, outcome, start)
+        call.backoffs.append((monotonic_ns(), 0))  # (its end: _retry_now, or _cancel_backoff)
+        call.retry_timer = self.loop.call_later(delay, self._retry_now, call, outcome)
         return True
 
-    def _retry_now(self, call: Call, reason: str, start: int) -> None:
+    @staticmethod
+    def _end_backoff(call: Call) -> None:
+        start, _ = call.backoffs[-1]
+        call.backoffs[-1] = (start, monotonic_ns())
+
+    def _retry_now(self, call: Call, reason: str) -> None:
         call.retry_timer = None
-        call.backoffs.append((start, monotonic_ns()))
+        self._end_backoff(call)
         if call.cancelled:
             if call.cluster.limits is not None:
                 call.cluster.limits.leave_retry()
@@ -727,10 +732,12 @@ class Pipeline:
         self._end_attempt(attempt, outcome, False, blame)
 
     def _cancel_backoff(self, call: Call) -> None:
-        """A retry was waiting out its backoff: it will not happen (its max_retries slot frees)."""
+        """A retry was waiting out its backoff: it will not happen (its max_retries slot frees).
+        The backoff span ends here (the client left, the route timed out, the proxy drains)."""
         if call.retry_timer is not None:
             call.retry_timer.cancel()
             call.retry_timer = None
+            self._end_backoff(call)
             if call.cluster.limits is not None:
                 call.cluster.limits.leave_retry()
 

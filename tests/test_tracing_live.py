@@ -616,6 +616,39 @@ def test_call_whose_client_gave_up_is_traced_and_counted_as_client_gone(upstream
     assert t.proxy.server.listeners["test"].pipeline.stats["client_gone"] == 1
 
 
+class _TopJitter:
+    """A pipeline's `rng` whose full-jitter backoff is always at its top."""
+
+    @staticmethod
+    def random() -> float:
+        return 0.999
+
+
+def test_a_client_gone_during_a_backoff_keeps_the_backoff_span():
+    """The first attempt's connection is lost, its retry waits out a ~1 s backoff, and the client
+    resets 200 ms into it. The call (client_gone) has its backoff span up to the reset: before,
+    the backoff was recorded only when the retry ran, so ~200 ms of the call was in no span and
+    `hops` blamed the proxy's own work (found by a trace-truth hunt)."""
+    up = ThriftServer(handler=DropOnce())
+    text = cfg([up], route_extra="\n        retry: {attempts: 2, idempotent: true, backoff: {base: 1s, max: 1s}}")
+    try:
+        with Traced(text, ratio=0.0) as t:
+            t.proxy.server.listeners["test"].pipeline.rng = _TopJitter()
+            s = socket.create_connection(("127.0.0.1", t.port()))
+            s.sendall(request_bytes("framed", "binary", "lookup", "k", seqid=3))
+            time.sleep(0.3)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()
+            (call,) = t.wait_calls(1)
+    finally:
+        up.stop()
+    assert call.attrs[spans.OUTCOME] == "client_gone"
+    backoff = call.hop("backoff")
+    (first,) = call.clients
+    assert first.end_time <= backoff.start_time and backoff.end_time <= call.server.end_time
+    assert 150 <= ms(backoff) < 900, ms(backoff)  # from the lost connection until the reset
+
+
 def test_client_that_never_reads_its_reply_is_traced_with_the_wait(upstream, monkeypatch):
     """A client with a 4 KB receive buffer asks for a ~55 KB reply and never reads it (s15 of a
     review). The listener stops waiting at its cap (60 s; 1 s here, the same code path): the call
