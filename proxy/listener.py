@@ -880,6 +880,19 @@ class ClientConnection(asyncio.Protocol):
         elif self.closing and not self.queue:
             self._close_after_replies()
 
+    def shut_down(self, why: str) -> None:
+        """The proxy stops with this client connected: each call still open is answered with
+        `why` (`Pipeline.shutting_down`: "may have run" or "not sent"), then the connection
+        closes once that is written. A reply already streaming is cut, recorded as not delivered."""
+        if self.transport is None:
+            return
+        self._closed_why = self._closed_why or f"the proxy shut down ({why})"
+        for call in list(self.queue):
+            if call.reply is None and call.pipeline is not None:
+                call.pipeline.shutting_down(call, f"the proxy shut down before its reply ({why})")
+        if self.transport is not None:
+            self.transport.close()
+
     def _close_after_replies(self) -> None:
         """Lingering close: send FIN after the replies, keep reading, then close."""
         t = self.transport

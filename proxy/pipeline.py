@@ -222,15 +222,27 @@ class Pipeline:
         """The request stopped short (the client closed, or it did not arrive in time): the
         attempt stops (its connection, holding part of a request, is discarded) and the client
         hears `text`, unless the call was answered already."""
+        # the client's doing (it closed, or was too slow) says nothing about the endpoint;
+        # an upstream not taking the bytes (TIMEOUT) does
+        self._cut(call, text, outcome, app_type, blame=outcome is not calls.BAD_REQUEST)
+
+    def shutting_down(self, call: Call, why: str) -> None:
+        """The proxy stops (the drain deadline passed, or a second signal) with this call open:
+        its client hears "may have run: <why>" (or "not sent: …") instead of a bare close,
+        unless it was answered already or its reply is streaming. The endpoint is not blamed."""
+        if call.streamed:
+            return
+        kind = "may have run" if call.written else "not sent"
+        self._cut(call, f"{kind}: {why}", calls.MAY_HAVE_RUN if call.written else calls.NOT_SENT,
+                  AppErrorType.INTERNAL_ERROR, blame=False)
+
+    def _cut(self, call: Call, text: str, outcome: str, app_type: AppErrorType, blame: bool) -> None:
         if call.reply is not None or call.cancelled or call.t_done:
             return
         a = call.attempt
         if a is not None and not a.ended:
             self._stop_attempt(a, "request cut")
-            # the client's doing (it closed, or was too slow) says nothing about the endpoint;
-            # an upstream not taking the bytes (TIMEOUT) does
-            self._drop_attempt(a, text, calls.MAY_HAVE_RUN if call.written else calls.NOT_SENT,
-                               blame=outcome is not calls.BAD_REQUEST)
+            self._drop_attempt(a, text, calls.MAY_HAVE_RUN if call.written else calls.NOT_SENT, blame=blame)
         self._cancel_backoff(call)
         call.outcome = outcome
         self.fail(call, app_type, text)

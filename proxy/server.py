@@ -598,10 +598,15 @@ class Server:
             self._retire_timer = None
         for srv in self.servers.values():
             srv.close()
+        if self._hurry.is_set():
+            why = "a second signal"
+        elif self.draining:
+            why = f"drain_timeout {self.config.drain_timeout:g}s passed"
+        else:
+            why = "stopped"
         for state in self._all_listener_states():
             for conn in list(state.connections):
-                if conn.transport is not None:
-                    conn.transport.close()
+                conn.shut_down(why)
         for h in self.health.values():
             h.close()
         for c in list(self.clusters.values()) + self._retiring:

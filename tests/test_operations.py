@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
+from thrift.Thrift import TApplicationException
 
 from harness import ProxyProcess, ThriftServer, client, free_port, free_ports, wait_for
 
@@ -135,6 +136,56 @@ def test_drain_finishes_started_calls_serves_new_ones_ready_503_exit_0():
     assert errors == [] and len(results) == 5
     assert rc == 0
     assert elapsed < 8  # within drain_timeout
+
+
+def test_calls_cut_by_the_drain_deadline_are_answered_and_not_blamed_on_the_client(tmp_path):
+    """SIGTERM with a 3 s call in flight and drain_timeout 1s: at the deadline the client hears
+    "may have run: the proxy shut down before its reply (drain_timeout 1s passed)" with its
+    seqid, not a bare close, and the call's span says so (outcome may_have_run), not
+    `client_gone` ("the client closed its connection"), which blamed the client (found by a
+    trace-truth hunt)."""
+    up = ThriftServer()
+    port = free_port()
+    path = tmp_path / "spans.jsonl"
+    text = f"""drain_timeout: 1s
+tracing: {{exporter: jsonl, path: {path}, sample_ratio: 1.0}}
+listeners:
+  - name: test
+    service: TestService
+    listen: 127.0.0.1:{port}
+    routes:
+      - cluster: up
+clusters:
+  - name: up
+    endpoints: [{up.address}]
+"""
+    errors = []
+    try:
+        with ProxyProcess(text, [port]) as p:
+            def slow_call() -> None:
+                try:
+                    with client(port) as c:
+                        c.sleep(3000)
+                except Exception as e:  # noqa: BLE001
+                    errors.append(e)
+
+            t = threading.Thread(target=slow_call)
+            t.start()
+            wait_for(lambda: up.handler.calls == 1, what="the slow call to reach the upstream")
+            p.proc.send_signal(signal.SIGTERM)
+            t.join(10)
+            assert p.proc.wait(10) == 0, p.output()
+    finally:
+        up.stop()
+    assert len(errors) == 1 and isinstance(errors[0], TApplicationException), errors
+    assert errors[0].message == ("thrift-sidecar: may have run: the proxy shut down before its reply "
+                                 "(drain_timeout 1s passed)")
+    server = [s for line in path.read_text().splitlines() for rs in json.loads(line)["resourceSpans"]
+              for ss in rs["scopeSpans"] for s in ss["spans"] if s["kind"] == 2]
+    assert len(server) == 1
+    attrs = {a["key"]: a["value"] for a in server[0]["attributes"]}
+    assert attrs["sidecar.outcome"] == {"stringValue": "may_have_run"}
+    assert "drain_timeout 1s passed" in server[0]["status"]["message"]
 
 
 def test_admin_endpoints_over_real_http():
