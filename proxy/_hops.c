@@ -37,7 +37,7 @@ static Py_ssize_t NBOUNDS = -1;      /* -1: bind() not called */
 static Py_ssize_t HOP[N_HOPS];       /* each hop's index into hops and sums */
 static PyObject *PURE;               /* proxy.metrics.pure_record_hops */
 
-static PyObject *S_t_start, *S_t_framed, *S_attempts, *S_t_acquire, *S_t_acquired, *S_t_written,
+static PyObject *S_t_start, *S_t_framed, *S_t_admitted, *S_attempts, *S_t_acquire, *S_t_acquired, *S_t_written,
     *S_t_first_reply, *S_t_reply, *S_backoffs, *S_t_done, *S_t_write, *S_t_acked, *S_t_handed, *S_waited, *S_held_ns;
 
 enum { OK = 0, ERROR = -1, PURE_PATH = 1 };
@@ -126,6 +126,9 @@ read_samples(PyObject *call, Samples *out)
         TRY(get_ns(call, S_t_framed, &t1));
         if (t1 >= t0)
             TRY(add(out, H_READ_REQUEST, t0, t1));
+        TRY(get_ns(call, S_t_admitted, &t2));  /* held back at max_inflight: queued */
+        if (t2 && t1 && t2 > t1)
+            TRY(add(out, H_QUEUED, t1, t2));
     } else {  /* `t0 and ...`: t_framed is not looked at (it may be anything) */
         PyObject *v = PyObject_GetAttr(call, S_t_framed);
         if (v == NULL)
@@ -395,6 +398,7 @@ PyInit__hops(void)
 {
     INTERN(t_start);
     INTERN(t_framed);
+    INTERN(t_admitted);
     INTERN(attempts);
     INTERN(t_acquire);
     INTERN(t_acquired);

@@ -4,7 +4,7 @@ Timestamps are `time.monotonic_ns()` values; 0 means "did not happen".
 Telemetry turns them into histogram samples for every call and, for sampled,
 slow or failed calls, into spans after the call (see `proxy.spans`):
 
-    Call.t_start ─ read_request ─ Call.t_framed
+    Call.t_start ─ read_request ─ Call.t_framed (─ queued ─ Call.t_admitted: held at max_inflight)
         Attempt.t_acquire ─ acquire ─ t_acquired ─ write_upstream ─ t_written
             ─ service_time ─ t_first_reply ─ read_response ─ t_reply
         (Call.backoffs: (start, end) between attempts)
@@ -38,7 +38,7 @@ class Call:
 
     __slots__ = ("conn", "pipeline", "msg", "route", "cluster", "oneway", "reply", "error", "error_type",
                  "outcome", "attempt", "attempts", "written", "cancelled", "backoffs",
-                 "t_start", "t_framed", "t_done", "t_write", "t_handed", "t_acked", "never_read",
+                 "t_start", "t_framed", "t_admitted", "t_done", "t_write", "t_handed", "t_acked", "never_read",
                  "streamed", "client_paused_ns", "upstream_wait_ns", "reply_size", "loop_lag_ns",
                  "trace", "timer", "deadline", "credited_ns", "retry_timer", "holds_request", "result_field", "waited",
                  "_req_framing", "_req_data", "upload")
@@ -61,6 +61,8 @@ class Call:
         self.backoffs: list[tuple[int, int]] = []
         self.t_start = t_start              # first request byte read
         self.t_framed = t_framed            # whole request framed
+        self.t_admitted = 0                 # handled, when it was held back at max_inflight (else 0:
+                                            # at t_framed); that wait is `queued`
         self.t_done = 0                     # reply (or error) ready
         self.t_write = 0                    # first reply byte written to the client transport
         self.t_handed = 0                   # the kernel took the last reply byte

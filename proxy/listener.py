@@ -226,14 +226,16 @@ class ClientConnection(asyncio.Protocol):
             self._upload_at = UNDECIDED
             t_start = self.t_first
             t_framed = now
+            admitted = 0
             held = self._held_since
             if held:  # held back by us at max_inflight: it was here (whole) all that time, which
-                t_start = t_framed = min(held, t_start)  # counts in its total, not as the client's
+                t_start = t_framed = min(held, t_start)  # counts in its total, not as the client's:
+                admitted = now  # it waited behind the client's earlier calls (`queued`)
             self.t_first = now
             if msg.type != M_CALL and msg.type != M_ONEWAY:
                 self._bad_type(msg)
                 return
-            pipeline.handle(self, msg, t_start, t_framed)
+            pipeline.handle(self, msg, t_start, t_framed, None, admitted)
             if self.closing:
                 return
 

@@ -141,8 +141,12 @@ def pure_record_hops(hops: list[list[int]], sums: list[int], call) -> None:
         sums[hop] += d
 
     t0, t1 = call.t_start, call.t_framed
-    if t0 and t1 >= t0:
-        sample(_READ_REQUEST, t1 - t0)
+    if t0:
+        if t1 >= t0:
+            sample(_READ_REQUEST, t1 - t0)
+        t2 = call.t_admitted  # a request held back at max_inflight: it waited behind earlier calls
+        if t2 and t1 and t2 > t1:
+            sample(_QUEUED, t2 - t1)
     for a in call.attempts:
         t0, t1 = a.t_acquire, a.t_acquired
         if not t0:

@@ -58,6 +58,8 @@ class CallRecorder:
         msg = call.msg
         a = call.attempts[-1] if call.attempts else None
         held = sum(x.queued_ns for x in call.attempts)
+        if call.t_admitted > call.t_framed:  # the request held back at max_inflight
+            held += call.t_admitted - call.t_framed
         queued = None
         if call.waited and call.t_done and call.t_write:
             queued = (call.t_write - call.t_done + held) / 1e6

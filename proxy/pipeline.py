@@ -106,10 +106,14 @@ class Pipeline:
 
     # 1-3: route, oneway, admit -----------------------------------------------------
 
-    def handle(self, conn, msg: Message, t_start: int, t_framed: int, upload: Upload | None = None) -> None:
-        """A request framed (or, with `upload`, a large one whose head is here: see `upload_threshold`)."""
+    def handle(self, conn, msg: Message, t_start: int, t_framed: int, upload: Upload | None = None,
+               admitted: int = 0) -> None:
+        """A request framed (or, with `upload`, a large one whose head is here: see `upload_threshold`).
+        `admitted`: now, for a request the listener held back at max_inflight since `t_framed`."""
         self.stats["calls"] += 1
         call = Call(conn, msg, t_start, t_framed, self)
+        if admitted:
+            call.t_admitted = admitted
         if upload is not None:
             call.upload = upload
             upload.call = call

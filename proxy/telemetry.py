@@ -31,7 +31,8 @@ Span tree (DESIGN.md "Spans"; a hop whose timestamps are 0 has no span):
      │   └─ read_response        t_first_reply (+ held_ns) → t_reply
      ├─ backoff                  call.backoffs
      ├─ queued                   t_done → t_write, when the reply waited behind an earlier one;
-     │                           per attempt held for its turn: t_first_reply → + held_ns
+     │                           per attempt held for its turn: t_first_reply → + held_ns;
+     │                           a request held back at max_inflight: t_framed → t_admitted
      └─ write_response           t_write → t_acked (else t_handed); handed_ms, client_never_read
                                  (never read: t_acked is when the proxy stopped waiting, the cap)
 
@@ -332,6 +333,10 @@ class Telemetry:
         if t_framed >= t_start and t_framed:
             out.append((spans.READ_REQUEST, (rand(64) or 1), server_id, False, INTERNAL, t_start + off, t_framed + off,
                         None, None))
+            t_admitted = call.t_admitted
+            if t_admitted > t_framed:  # held back at max_inflight: behind the client's earlier calls
+                out.append((spans.QUEUED, (rand(64) or 1), server_id, False, INTERNAL, t_framed + off,
+                            t_admitted + off, None, None))
         for i, att in enumerate(attempts):
             self._attempt_plan(out, att, i, attempts, call, svc, method, name, server_id, rand, off)
         for b0, b1 in list(call.backoffs):

@@ -197,8 +197,8 @@ _attempt = st.fixed_dictionaries({**{k: _ns for k in ("t_acquire", "t_acquired",
                                                      "t_reply")},
                                    "held_ns": st.sampled_from([0, 0, 0, 1, 10**6, 30 * 10**9]) | _odd})
 _waited = st.sampled_from([False, True, True, 0, 1, None])  # a plain bool, else the pure path
-_call = st.fixed_dictionaries({**{k: _ns for k in ("t_start", "t_framed", "t_done", "t_write", "t_handed",
-                                                   "t_acked")}, "waited": _waited}).flatmap(
+_call = st.fixed_dictionaries({**{k: _ns for k in ("t_start", "t_framed", "t_admitted", "t_done", "t_write",
+                                                   "t_handed", "t_acked")}, "waited": _waited}).flatmap(
     lambda times: st.tuples(st.just(times), st.lists(_attempt, max_size=3), st.lists(st.tuples(_ns, _ns), max_size=2)))
 
 
@@ -258,6 +258,9 @@ def test_compiled_hop_update_agrees_at_each_edge():
     assert st_.hop_sums[metrics_mod._WRITE_RESPONSE] == 26 and not any(st_.hops[metrics_mod._QUEUED])
     st_ = _record_both((dict(times, t_done=b + 10, t_write=b + 14, t_acked=b + 30, waited=True), [one], []))
     assert st_.hop_sums[metrics_mod._QUEUED] == 4 and st_.hop_sums[metrics_mod._WRITE_RESPONSE] == 16
+    # a request held back at max_inflight: from framed to admitted is queued too
+    st_ = _record_both((dict(times, t_admitted=b + 7), [one], []))
+    assert st_.hop_sums[metrics_mod._QUEUED] == 7 and sum(st_.hops[metrics_mod._QUEUED]) == 1
     st_ = _record_both((dict(times, t_done=b + 10, t_write=b + 14, t_acked=b + 30), [one], []))
     assert not any(st_.hops[metrics_mod._QUEUED])  # written at once (not waited): no queued sample
     _record_both((dict(times, t_done=b + 10, t_write=b + 14, waited=1), [one], []))  # not a bool: pure

@@ -288,6 +288,30 @@ def test_pipelined_calls_that_queued(upstream):
         assert by_seq[seq].coverage() >= 0.95
 
 
+def test_requests_held_back_at_max_inflight_show_their_wait_as_queued(upstream):
+    """One connection pipelines a 400 ms call and 8 pings with max_inflight 4: the pings past the
+    limit are whole in the proxy but held back until the slow call is answered. That wait is
+    `queued` (behind the client's own earlier calls); before, it was in no span, and hops
+    blamed "the proxy's own work between hops" (found by a trace-truth hunt)."""
+    with Traced(cfg([upstream])) as t:
+        object.__setattr__(t.proxy.server.listeners["test"].settings, "max_inflight", 4)
+        with socket.create_connection(("127.0.0.1", t.port())) as s:
+            s.sendall(request_bytes("framed", "binary", "sleep", 400, seqid=1)
+                      + b"".join(request_bytes("framed", "binary", "ping", seqid=i) for i in range(2, 10)))
+            s.settimeout(10)
+            replies = read_messages(s, 9)
+        calls = t.wait_calls(9)
+    assert [m.seqid for m in replies] == list(range(1, 10))
+    held = [c for c in calls if c.attrs[spans.SEQID] >= 5]
+    assert len(held) == 5
+    for call in held:
+        (queued,) = [q for q in call.hops.get("queued", ()) if q.start_time <= call.hop("acquire").start_time]
+        assert call.by_id[queued.parent.span_id] is call.server
+        assert ms(queued) >= 300, ms(queued)  # it waited for the 400 ms call (one-sided: it was sent first)
+        assert call.coverage() > 0.9, call.coverage()
+    assert all("queued" not in c.hops or c.attrs[spans.SEQID] >= 2 for c in calls)
+
+
 def test_oneway_shape(upstream):
     with Traced(cfg([upstream])) as t, client(t.port()) as c:
         for i in range(3):
