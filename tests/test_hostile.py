@@ -860,9 +860,9 @@ def test_pipelined_burst_holds_at_most_max_inflight_calls():
             handle = pipeline.handle
             peak = [0]
 
-            def counting(conn, msg, t_start, t_framed):
+            def counting(conn, *args):
                 peak[0] = max(peak[0], len(conn.queue) + 1)
-                return handle(conn, msg, t_start, t_framed)
+                return handle(conn, *args)
 
             pipeline.handle = counting
             reqs = b"".join(request_bytes("framed", "binary", "ping", seqid=i) for i in range(3000))
