@@ -42,6 +42,8 @@ from collections.abc import Callable, Sequence
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from proxy.logs import Throttle
+
 log = logging.getLogger(__name__)
 
 __all__ = ["ExportQueue", "JsonLinesSpanExporter", "encode_json_line", "encode_json_line_reference",
@@ -92,6 +94,8 @@ class ExportQueue:
         self._progress = threading.Condition()
         self._stopping = False
         self._last_warning = 0.0
+        self._drop_log = Throttle(LOG_EVERY)  # the loop's drop lines (queue full)
+        self._loss_log = Throttle(LOG_EVERY)  # the worker's lines about failed exports
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -112,6 +116,10 @@ class ExportQueue:
         held = self._bytes_in - self._bytes_out
         if n >= self.capacity or self._stopping or (held and held + size > self.max_bytes):
             self.dropped += 1
+            if not self._stopping:
+                self._drop_log.warn(
+                    log, "full", "span export queue full (%d calls, %.0f MiB waiting): a call's spans dropped, "
+                    "%d in all; the exporter is slower than the calls traced, or stuck", n, held / 2**20, self.dropped)
             return False
         items.append((item, size))
         self._accepted += 1
@@ -201,7 +209,8 @@ class ExportQueue:
                 ok = False
                 self._warn("span export raised", exc_info=True)
             if not ok:
-                self._warn("span exporter failed; %d calls' spans lost", built)
+                self._loss_log.warn(log, "failed", "span exporter failed: %d calls' spans lost, %d in all",
+                                    built, self.failed + built)
         if ok:
             self.exported += built
         else:

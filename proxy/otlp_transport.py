@@ -255,15 +255,18 @@ class _HttpSender:
             return _Failure(f"HTTP connection error: {e}", True)
         except requests.RequestException as e:
             return _Failure(f"HTTP error: {e}", False)
-        if 200 <= r.status_code < 400:
+        if 200 <= r.status_code < 300:
             return None
+        if 300 <= r.status_code < 400:  # (not followed: a redirected POST turns into a GET that "succeeds")
+            return _Failure(f"HTTP {r.status_code} {r.reason} to {r.headers.get('Location')!r}: redirects "
+                            "are not followed; set the endpoint to the collector's own URL", False)
         retryable = r.status_code in _HTTP_RETRYABLE
         return _Failure(f"HTTP {r.status_code} {r.reason}: {r.text[:200]}", retryable,
                         _retry_after(r.headers.get("Retry-After")) if retryable else None)
 
     def _post(self, data: bytes, timeout: float):
         return self._session.post(self.settings.target, data=data, headers=self._headers, timeout=timeout,
-                                  verify=self._verify, cert=self._cert)
+                                  verify=self._verify, cert=self._cert, allow_redirects=False)
 
     def close(self) -> None:
         self._session.close()

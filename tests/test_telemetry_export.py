@@ -11,6 +11,8 @@ lowercase hex, enums as integers — with the names and parent links the builder
 
 from __future__ import annotations
 
+import logging
+
 import json
 import random
 import re
@@ -55,15 +57,20 @@ def one_span(item):
     return [item]
 
 
-def test_queue_is_bounded_and_counts_drops():
+def test_queue_is_bounded_and_counts_drops(caplog):
     gate = GatedExporter()
     q = ExportQueue(gate, one_span, capacity=5, batch_size=100, interval=0.01)
     try:
         assert q.submit("first")
         assert gate.entered.wait(5.0)  # the worker is stuck exporting "first"
-        accepted = [q.submit(i) for i in range(12)]
+        with caplog.at_level(logging.WARNING, logger="proxy.exporter"):
+            accepted = [q.submit(i) for i in range(12)]
         assert accepted == [True] * 5 + [False] * 7
         assert q.size == 5 and q.dropped == 7
+        # said at once, while the worker is stuck; thinned: one line for the burst, not seven
+        lines = [r.getMessage() for r in caplog.records if "queue full" in r.getMessage()]
+        assert lines == ["span export queue full (5 calls, 0 MiB waiting): a call's spans dropped, 1 in all; "
+                         "the exporter is slower than the calls traced, or stuck"]
         gate.release.set()
         assert q.flush(5.0)
         assert q.size == 0 and q.exported == 6 and q.failed == 0
@@ -142,7 +149,7 @@ def test_whole_batches_go_at_once_a_partial_one_at_the_tick_or_on_flush():
         ticked.shutdown(2.0)
 
 
-def test_build_and_export_failures_are_counted():
+def test_build_and_export_failures_are_counted(caplog):
     class Failing(SpanExporter):
         def export(self, batch):
             return SpanExportResult.FAILURE
@@ -154,10 +161,12 @@ def test_build_and_export_failures_are_counted():
 
     q = ExportQueue(Failing(), build, interval=0.01)
     try:
-        for item in ("a", "bad", "b"):
-            q.submit(item)
-        assert q.flush(5.0)
+        with caplog.at_level(logging.WARNING, logger="proxy.exporter"):
+            for item in ("a", "bad", "b"):
+                q.submit(item)
+            assert q.flush(5.0)
         assert q.failed == 3 and q.exported == 0
+        assert "span exporter failed: 2 calls' spans lost, 3 in all" in caplog.text
     finally:
         q.shutdown(2.0)
 

@@ -318,6 +318,23 @@ def test_non_retryable_errors_fail_at_once(protocol):
         receiver.stop()
 
 
+@pytest.mark.parametrize("status", [302, 307])
+def test_an_http_redirect_is_a_failed_export_not_a_success(status, caplog):
+    """A collector behind a login redirect: requests followed it (a 302 turns the POST into a
+    GET) and counted the 200 of the login page as exported; nothing was (found by an exporter
+    hunt). Redirects are not followed, and only 2xx is success."""
+    receiver = HttpReceiver(statuses=[status])
+    try:
+        exporter = OtlpExporter(settings=settings_for("http", receiver.port), backoff_base=0.01)
+        with caplog.at_level(logging.WARNING, logger="proxy.otlp_transport"):
+            assert exporter.export_request(b"x") is SpanExportResult.FAILURE
+        assert receiver.requests == [] and receiver.statuses == []  # one try, not retried
+        assert f"HTTP {status}" in caplog.text and "redirects are not followed" in caplog.text
+        exporter.shutdown()
+    finally:
+        receiver.stop()
+
+
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_nothing_listening_fails_by_the_deadline_without_raising(protocol):
     s = __import__("socket").socket()
