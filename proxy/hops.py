@@ -283,11 +283,17 @@ def parse_otlp_request(obj: dict) -> list[Span]:
     return out
 
 
-def load_jsonl(path: str) -> list[Span]:
-    """Every span of a span file (one ExportTraceServiceRequest per line)."""
+def load_jsonl(path: str, bad: list[str] | None = None) -> list[Span]:
+    """Every span of a span file (one ExportTraceServiceRequest per line).
+
+    A line that is not a request (one cut short by a crash, say) is skipped and said in `bad`
+    (`FILE:LINE: why`); with `bad` None it is an error. A file with no good line is an error.
+    """
     out: list[Span] = []
+    skipped: list[str] = []
+    good = 0
     try:
-        f = open(path, encoding="utf-8")  # noqa: SIM115 - closed below
+        f = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed below
     except OSError as e:
         raise HopsError(f"{path}: {e.strerror}") from e
     with f:
@@ -298,10 +304,20 @@ def load_jsonl(path: str) -> list[Span]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise HopsError(f"{path}:{n}: not JSON: {e.msg}") from e
-            if not isinstance(obj, dict):
-                raise HopsError(f"{path}:{n}: not an ExportTraceServiceRequest object")
-            out.extend(parse_otlp_request(obj))
+                why = f"{path}:{n}: not JSON: {e.msg}"
+            else:
+                if isinstance(obj, dict):
+                    out.extend(parse_otlp_request(obj))
+                    good += 1
+                    continue
+                why = f"{path}:{n}: not an ExportTraceServiceRequest object"
+            if bad is None:
+                raise HopsError(why)
+            skipped.append(why)
+    if skipped and not good:
+        raise HopsError(skipped[0])
+    if bad is not None:
+        bad.extend(skipped)
     return out
 
 
@@ -647,7 +663,10 @@ def run(args) -> int:
     """`thrift-sidecar hops`: 0 with a verdict, 1 when there is no call to analyse, 2 on bad input."""
     try:
         if args.spans:
-            all_spans = load_jsonl(args.spans)
+            bad: list[str] = []
+            all_spans = load_jsonl(args.spans, bad)
+            for why in bad:
+                print(f"thrift-sidecar hops: {why} (line skipped)", file=sys.stderr)
             source = args.spans
         else:
             if not args.service:

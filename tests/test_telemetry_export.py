@@ -11,15 +11,17 @@ lowercase hex, enums as integers — with the names and parent links the builder
 
 from __future__ import annotations
 
-import logging
-
+import errno
 import json
+import logging
+import os
 import random
 import re
 import threading
 import time
 from types import SimpleNamespace
 
+import pytest
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -233,6 +235,41 @@ def test_jsonl_span_file(tmp_path):
     attrs = {a["key"]: a["value"] for a in server["attributes"]}
     assert attrs[spans.ERROR_TYPE] == {"stringValue": "timeout"}
     assert attrs[spans.SAMPLED_BY] == {"stringValue": "head"}
+
+
+def test_jsonl_writes_a_large_batch_as_short_lines_and_never_half_a_line(tmp_path, monkeypatch):
+    """A batch becomes lines of at most LINE_SPANS spans (one json.dumps over a 256-call batch held
+    the GIL, and so the event loop, ~17 ms); a write that fails part way (a full disk) is cut
+    back, so the file keeps whole lines only (found by an exporter hunt: a cut line followed by
+    the next export's made `hops` reject the whole file)."""
+    path = tmp_path / "spans.jsonl"
+    t = Telemetry(SimpleNamespace(service_name="s", exporter="none", sample_ratio=1.0), rng=random.Random(3))
+    exporter = JsonLinesSpanExporter(path)
+    built = [s for c in [fx.call_success() for _ in range(20)] for s in t.build_spans(c, "UserService")]
+    assert len(built) == 160
+    assert exporter.export(built) is SpanExportResult.SUCCESS
+    lines = path.read_text().splitlines()
+    assert [len(json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]) for line in lines] == [64, 64, 32]
+    size = path.stat().st_size
+
+    real_write = os.write
+
+    def half_then_full(fd, data):
+        monkeypatch.setattr(os, "write", full)
+        return real_write(fd, bytes(data[: len(data) // 2]))
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", half_then_full)
+    with pytest.raises(OSError):
+        exporter.export(built[:8])
+    monkeypatch.setattr(os, "write", real_write)
+    assert path.stat().st_size == size  # the half written is gone
+    assert exporter.export(built[:8]) is SpanExportResult.SUCCESS
+    assert all(json.loads(line) for line in path.read_text().splitlines())
+    exporter.shutdown()
+    assert exporter.export(built[:8]) is SpanExportResult.FAILURE
 
 
 def test_make_exporter_by_config(tmp_path):
