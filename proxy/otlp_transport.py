@@ -34,6 +34,7 @@ import gzip
 import logging
 import os
 import random
+import socket
 import threading
 import time
 import zlib
@@ -214,15 +215,49 @@ def _retry_info(error) -> float | None:
         return None
 
 
+_watching = threading.local()  # the connections this thread's export is using (_HttpSender.send)
+
+
+def _watched(base: type) -> type:
+    """A urllib3 connection class that tells the export watching it (on its thread) which
+    connection carries the request, so that the deadline can cut it (`_HttpSender._cut`)."""
+
+    class Watched(base):
+        def request(self, *args, **kwargs):
+            watch = getattr(_watching, "conns", None)
+            if watch is not None:
+                watch.append(self)
+            return super().request(*args, **kwargs)
+
+    Watched.__name__ = Watched.__qualname__ = f"Watched{base.__name__}"
+    return Watched
+
+
 class _HttpSender:
-    """POST application/x-protobuf on a keep-alive session (requests, as the SDK's exporter)."""
+    """POST application/x-protobuf on a keep-alive session (requests, as the SDK's exporter).
+
+    The timeout is the whole export's, as gRPC's deadline is: requests' own is per socket read,
+    so a collector that answers a byte at a time held an export (and the export thread) for
+    ever. A timer shuts the request's socket down at the deadline. (Through an HTTP(S) proxy
+    from the environment only requests' per-read timeout applies.)
+    """
 
     def __init__(self, settings: Settings) -> None:
         import requests
+        from requests.adapters import HTTPAdapter
+        from urllib3 import connection, connectionpool
 
         self._requests = requests
         self.settings = settings
         self._session = requests.Session()
+        adapter = HTTPAdapter()
+        pools = adapter.poolmanager.pool_classes_by_scheme = dict(adapter.poolmanager.pool_classes_by_scheme)
+        pools["http"] = type("WatchedHTTPConnectionPool", (connectionpool.HTTPConnectionPool,),
+                             {"ConnectionCls": _watched(connection.HTTPConnection)})
+        pools["https"] = type("WatchedHTTPSConnectionPool", (connectionpool.HTTPSConnectionPool,),
+                              {"ConnectionCls": _watched(connection.HTTPSConnection)})
+        self._session.mount("http://", adapter)
+        self._session.mount("https://", adapter)
         self._headers = {"Content-Type": "application/x-protobuf", "User-Agent": USER_AGENT}
         self._headers.update(settings.headers)
         if settings.compression:
@@ -242,6 +277,11 @@ class _HttpSender:
     def send(self, data: bytes, timeout: float, first: bool) -> _Failure | None:
         requests = self._requests
         deadline = time.monotonic() + timeout
+        conns: list = []
+        cut = threading.Timer(timeout, self._cut, (conns,))
+        cut.daemon = True
+        _watching.conns = conns
+        cut.start()
         try:
             try:
                 r = self._post(data, timeout)
@@ -251,10 +291,15 @@ class _HttpSender:
                 if remaining <= 0:
                     raise
                 r = self._post(data, remaining)
-        except requests.ConnectionError as e:
-            return _Failure(f"HTTP connection error: {e}", True)
         except requests.RequestException as e:
+            if time.monotonic() >= deadline:
+                return _Failure(f"HTTP: no answer within {timeout:.3g} s ({type(e).__name__})", True)
+            if isinstance(e, requests.ConnectionError):
+                return _Failure(f"HTTP connection error: {e}", True)
             return _Failure(f"HTTP error: {e}", False)
+        finally:
+            cut.cancel()
+            _watching.conns = None
         if 200 <= r.status_code < 300:
             return None
         if 300 <= r.status_code < 400:  # (not followed: a redirected POST turns into a GET that "succeeds")
@@ -263,6 +308,18 @@ class _HttpSender:
         retryable = r.status_code in _HTTP_RETRYABLE
         return _Failure(f"HTTP {r.status_code} {r.reason}: {r.text[:200]}", retryable,
                         _retry_after(r.headers.get("Retry-After")) if retryable else None)
+
+    @staticmethod
+    def _cut(conns: list) -> None:
+        """The deadline passed with the request still out: shut its socket down (the blocked
+        read returns; requests raises, and the connection is not reused)."""
+        for conn in list(conns):
+            sock = getattr(conn, "sock", None)
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def _post(self, data: bytes, timeout: float):
         return self._session.post(self.settings.target, data=data, headers=self._headers, timeout=timeout,

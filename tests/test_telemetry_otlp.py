@@ -318,6 +318,42 @@ def test_non_retryable_errors_fail_at_once(protocol):
         receiver.stop()
 
 
+def test_an_http_collector_answering_a_byte_at_a_time_fails_at_the_deadline(caplog):
+    """The timeout is the whole export's: a collector that reads the POST and then answers one
+    byte every 0.3 s kept an export (and the export thread) for as long as it trickled, since
+    requests' timeout is per socket read (found by an exporter hunt)."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def trickle():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n" * 100:
+                if stop.wait(0.3):
+                    return
+                try:
+                    conn.sendall(bytes([byte]))
+                except OSError:
+                    return
+
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    exporter = OtlpExporter(settings=settings_for("http", listener.getsockname()[1], timeout=1.0), backoff_base=0.01)
+    try:
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="proxy.otlp_transport"):
+            assert exporter.export_request(b"x") is SpanExportResult.FAILURE
+        assert time.monotonic() - t0 < 2.5
+        assert "no answer within 1 s" in caplog.text
+    finally:
+        stop.set()
+        exporter.shutdown()
+        listener.close()
+
+
 @pytest.mark.parametrize("status", [302, 307])
 def test_an_http_redirect_is_a_failed_export_not_a_success(status, caplog):
     """A collector behind a login redirect: requests followed it (a 302 turns the POST into a
