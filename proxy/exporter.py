@@ -381,16 +381,20 @@ class JsonLinesSpanExporter(SpanExporter):
             fd = self._fd
             if fd is None:
                 return SpanExportResult.FAILURE
-            start = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                start: int | None = os.lseek(fd, 0, os.SEEK_END)
+            except OSError:  # a pipe, FIFO or tty (/dev/stdout): nothing to cut back
+                start = None
             try:
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view):]
             except OSError:
-                try:
-                    os.ftruncate(fd, start)  # no half line for readers to stumble on
-                except OSError:
-                    pass
+                if start is not None:
+                    try:
+                        os.ftruncate(fd, start)  # no half line for readers to stumble on
+                    except OSError:
+                        pass
                 raise
         return SpanExportResult.SUCCESS
 

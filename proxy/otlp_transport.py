@@ -250,6 +250,7 @@ class _HttpSender:
         self._requests = requests
         self.settings = settings
         self._session = requests.Session()
+        self._cut_lock = threading.Lock()
         adapter = HTTPAdapter()
         pools = adapter.poolmanager.pool_classes_by_scheme = dict(adapter.poolmanager.pool_classes_by_scheme)
         pools["http"] = type("WatchedHTTPConnectionPool", (connectionpool.HTTPConnectionPool,),
@@ -277,7 +278,7 @@ class _HttpSender:
     def send(self, data: bytes, timeout: float, first: bool) -> _Failure | None:
         requests = self._requests
         deadline = time.monotonic() + timeout
-        conns: list = []
+        conns: list = []  # (the Timer's _cut and this thread share it under _cut_lock)
         cut = threading.Timer(timeout, self._cut, (conns,))
         cut.daemon = True
         _watching.conns = conns
@@ -299,6 +300,8 @@ class _HttpSender:
             return _Failure(f"HTTP error: {e}", False)
         finally:
             cut.cancel()
+            with self._cut_lock:  # a _cut already running must not reach a later export's connection
+                conns.clear()
             _watching.conns = None
         if 200 <= r.status_code < 300:
             return None
@@ -309,17 +312,19 @@ class _HttpSender:
         return _Failure(f"HTTP {r.status_code} {r.reason}: {r.text[:200]}", retryable,
                         _retry_after(r.headers.get("Retry-After")) if retryable else None)
 
-    @staticmethod
-    def _cut(conns: list) -> None:
+    def _cut(self, conns: list) -> None:
         """The deadline passed with the request still out: shut its socket down (the blocked
-        read returns; requests raises, and the connection is not reused)."""
-        for conn in list(conns):
-            sock = getattr(conn, "sock", None)
-            if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        read returns; requests raises, and the connection is not reused). Once `send` is done
+        `conns` is empty: a connection back in the pool, maybe already carrying the next
+        export, is never cut."""
+        with self._cut_lock:
+            for conn in conns:
+                sock = getattr(conn, "sock", None)
+                if sock is not None:
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
 
     def _post(self, data: bytes, timeout: float):
         return self._session.post(self.settings.target, data=data, headers=self._headers, timeout=timeout,

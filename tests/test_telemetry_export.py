@@ -272,6 +272,27 @@ def test_jsonl_writes_a_large_batch_as_short_lines_and_never_half_a_line(tmp_pat
     assert exporter.export(built[:8]) is SpanExportResult.FAILURE
 
 
+def test_jsonl_span_file_may_be_a_pipe(tmp_path):
+    """`tracing.path: /dev/stdout` in a container, or a FIFO into a reader: no seeking there
+    (a review caught lseek's ESPIPE failing every export)."""
+    read_fd, write_fd = os.pipe()
+    try:
+        t = Telemetry(SimpleNamespace(service_name="s", exporter="none", sample_ratio=1.0), rng=random.Random(4))
+        exporter = JsonLinesSpanExporter(f"/proc/self/fd/{write_fd}")
+        assert exporter.export(t.build_spans(fx.call_success(), "UserService")) is SpanExportResult.SUCCESS
+        exporter.shutdown()
+        os.close(write_fd)
+        write_fd = -1
+        with os.fdopen(read_fd, "rb") as r:
+            read_fd = -1
+            (line,) = r.read().decode().splitlines()
+        assert len(json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]) == 8
+    finally:
+        for fd in (read_fd, write_fd):
+            if fd >= 0:
+                os.close(fd)
+
+
 def test_make_exporter_by_config(tmp_path):
     def cfg(**kw):
         base = dict(service_name="s", exporter="none", otlp_protocol="grpc", endpoint=None,
