@@ -152,6 +152,10 @@ class ExportQueue:
         self._stopping = True
         self._wake.set()
         self._thread.join(max(0.0, deadline - time.monotonic()))
+        held = self._drop_log.held("full")  # the drop lines' tail: said before the process goes
+        if held:
+            log.warning("span export queue: %d more calls' spans dropped since the last such line, %d in all",
+                        held, self.dropped)
         return flushed and not self._thread.is_alive()
 
     # -- worker -----------------------------------------------------------------

@@ -12,7 +12,8 @@ from typing import Callable, Hashable
 class Throttle:
     """Repeated log lines, thinned: per key, the first line goes out at once, then at most one
     per `every` seconds, and the line let through says how many were held back since the last
-    one (the count of a burst shows with the next line of its kind, if one comes). A pure policy
+    one (the count of a burst shows with the next line of its kind, if one comes; `held` takes it
+    when no line will come). A pure policy
     object: `clock()` gives seconds (proxy.clock). Its keys are the caller's kinds of line (a
     pool's failure reasons: a few; it forgets none)."""
 
@@ -32,6 +33,11 @@ class Throttle:
             self._held[key] = self._held.get(key, 0) + 1
             return None
         self._last[key] = now
+        return self._held.pop(key, 0)
+
+    def held(self, key: Hashable) -> int:
+        """How many of `key`'s lines are held back since the last one let out (and forget them):
+        for a last word when the lines stop coming, e.g. at shutdown."""
         return self._held.pop(key, 0)
 
     def warn(self, logger: logging.Logger, key: Hashable, msg: str, *args) -> None:

@@ -23,6 +23,15 @@ def test_first_line_at_once_then_one_per_interval_with_the_count_held_back():
     assert t.admit("connect") == 0  # nothing held back in between
 
 
+def test_the_count_held_back_can_be_taken_when_lines_stop_coming():
+    clock = ManualClock()
+    t = Throttle(5.0, clock)
+    assert t.admit("full") == 0
+    assert t.admit("full") is None and t.admit("full") is None
+    assert t.held("full") == 2 and t.held("full") == 0  # taken once
+    assert t.held("other") == 0
+
+
 def test_kinds_are_thinned_apart():
     clock = ManualClock()
     t = Throttle(5.0, clock)
