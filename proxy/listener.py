@@ -892,8 +892,7 @@ class ClientConnection(asyncio.Protocol):
         for call in list(self.queue):
             if call.reply is None and call.pipeline is not None:
                 call.pipeline.shutting_down(call, f"the proxy shut down before its reply ({why})")
-        if self.transport is not None:
-            self.transport.close()
+        self.transport.close()  # (only connection_lost, which comes later, drops the transport)
 
     def _close_after_replies(self) -> None:
         """Lingering close: send FIN after the replies, keep reading, then close."""

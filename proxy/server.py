@@ -94,6 +94,11 @@ class ListenError(StartError):
         why = os.strerror(error.errno) if error.errno and error.errno > 0 else (error.strerror or str(error))
         super().__init__(loc, f"cannot listen on {host}:{port}: {why[:1].lower()}{why[1:]}")
 
+    @classmethod
+    def of_listener(cls, i: int, lc: cfgmod.Listener, error: OSError) -> ListenError:
+        """Listener `i` (`lc`, of the config) cannot listen on its address."""
+        return cls(("listeners", i, "listen"), lc.listen.host, lc.listen.port, error)
+
 
 class _Slot:
     """One listener of a config being applied: its socket (kept or newly bound) and state."""
@@ -284,7 +289,7 @@ class Server:
             try:
                 await self._open(lc)
             except OSError as e:
-                raise ListenError(("listeners", i, "listen"), lc.listen.host, lc.listen.port, e) from None
+                raise ListenError.of_listener(i, lc, e) from None
         self._set_watch(self.config)
         self.ready = True
 
@@ -381,8 +386,7 @@ class Server:
                             slot.server = await self._bind(slot.lc, slot.state, start_serving=False)
                         except OSError as e:
                             i = next(i for i, lc in enumerate(config.listeners) if lc is slot.lc)
-                            raise ListenError(("listeners", i, "listen"), slot.lc.listen.host,
-                                              slot.lc.listen.port, e) from None
+                            raise ListenError.of_listener(i, slot.lc, e) from None
                         slot.fresh_server = True
             except Exception as e:  # e.g. unreadable TLS files, a bad IDL, a port in use
                 for slot in slots:

@@ -2,8 +2,8 @@
 
 Five modules have a compiled twin (C, built by `pip install`; see setup.py) of a pure-Python
 reference: proxy.codec.scan (`_scan`), proxy.codec.message (`_message`), proxy.metrics
-(`proxy._hops`), proxy.sockets (`proxy._sockq`) and proxy.otlp (`proxy._otlp`). Each picks its twin with these two helpers, so "not built" and "forced pure"
-mean the same everywhere.
+(`proxy._hops`), proxy.sockets (`proxy._sockq`) and proxy.otlp (`proxy._otlp`). Each picks its
+twin with these two helpers, so "not built" and "forced pure" mean the same everywhere.
 
     load("proxy.codec._message")   the compiled module, or None when it was not built
     pure_forced()                  THRIFT_SIDECAR_PURE_PYTHON=1 (or one of `also`) asks for the
