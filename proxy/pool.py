@@ -1,10 +1,17 @@
 """Upstream connection pool per (endpoint, framing, protocol, TLS): the `acquire` hop.
 
 LIFO idle list (the warmest connection first; the coldest age out), a bound on
-open connections, waiters served in order with an acquire deadline, a connect
-deadline, idle eviction. Acquiring is a plain call on the hot path: an idle
-connection is returned at once; only a new connection (a connect, amortised
-over many calls) or a full pool makes the caller wait for a callback.
+open connections, a connect deadline, idle eviction, and one queue of waiters
+served oldest first: a connection that comes free, or a new one, goes to the
+call that has waited longest, whichever call's connect opened it (as Envoy's
+pools do). Calls so get connections in the order they asked, and two calls a
+client sends back to back while the pool connects leave in that order (a oneway
+frees its connection once written: the next call goes out on it). A waiter counts on a connect it started (and gets its error if it fails),
+else on a connection coming free within `acquire_timeout`.
+
+Acquiring is a plain call on the hot path: an idle connection is returned at
+once; only a new connection (a connect, amortised over many calls) or a full
+pool makes the caller wait for a callback.
 
 Every connect is the pool's to report, whether or not its caller still waits
 (a per-try or route timeout shorter than `connect_timeout` stops waiting
@@ -59,16 +66,26 @@ class PoolSettings:
     stream_threshold: int = 64 << 10  # larger replies stream to the client as they arrive
 
 
+class Connect:
+    """A connect in flight, and the waiter counting on it (whose it is to fail, if it fails)."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: Waiter | None) -> None:
+        self.owner = owner
+
+
 class Waiter:
     """A caller waiting for a connection: `callback(conn, error)` runs once."""
 
-    __slots__ = ("callback", "timer", "done", "queue")
+    __slots__ = ("callback", "timer", "done", "queue", "connect")
 
     def __init__(self, callback) -> None:
         self.callback = callback
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: asyncio.TimerHandle | None = None  # acquire_timeout, when it waits for a release
         self.done = False
         self.queue: deque | None = None  # the pool's waiters, while it waits in them
+        self.connect: Connect | None = None  # the connect it counts on, while one is in flight
 
     def cancel(self) -> None:
         """The caller gave up: out of the pool's queue at once (it would otherwise hold its call
@@ -90,6 +107,13 @@ class Waiter:
         self.done = True
         if self.timer is not None:
             self.timer.cancel()
+        queue = self.queue
+        if queue is not None:  # (an error: a waiter served was taken off the queue first)
+            self.queue = None
+            try:
+                queue.remove(self)
+            except ValueError:
+                pass
         self.callback(conn, error)
         return True
 
@@ -142,17 +166,21 @@ class Pool:
             self.loop.call_soon(w.fire, None, UpstreamError(f"pool for {self.label} is closed", written=False,
                                                             endpoint_fault=False))
             return w
+        w.queue = self.waiters
+        self.waiters.append(w)
         if self.open < self.settings.max_connections:
             self._start_connect(w)
         else:
-            w.timer = self.loop.call_later(self.settings.acquire_timeout, self._acquire_timeout, w)
-            w.queue = self.waiters
-            self.waiters.append(w)
-            if self.held:
-                # A connection only holds a reply unread to spare the proxy's memory: under
-                # pressure it reads that reply whole instead, then serves this waiter.
-                self.held.pop().read_held_whole()
+            self._wait_for_release(w)
         return w
+
+    def _wait_for_release(self, w: Waiter) -> None:
+        """`w` counts on no connect: a busy connection must come free within acquire_timeout."""
+        w.timer = self.loop.call_later(self.settings.acquire_timeout, self._acquire_timeout, w)
+        if self.held:
+            # A connection only holds a reply unread to spare the proxy's memory: under
+            # pressure it reads that reply whole instead, then serves this waiter.
+            self.held.pop().read_held_whole()
 
     def release(self, conn: UpstreamConnection) -> None:
         if conn.closed:
@@ -161,12 +189,8 @@ class Pool:
             # A stream's last chunk can fill the client's buffer, pausing this connection's
             # reading (backpressure) just as it finishes: never lend out a paused connection.
             conn.resume_reading()
-        waiters = self.waiters
-        while waiters:
-            w = waiters.popleft()
-            if not w.done:
-                w.fire(conn, None)
-                return
+        if self.waiters and self._serve(conn, None):
+            return
         if self.closed:
             conn.abandon()
             return
@@ -175,6 +199,35 @@ class Pool:
         if self._sweep is None and self.settings.idle_timeout > 0:
             self._sweep = self.loop.call_later(self.settings.idle_timeout, self._evict)
 
+    def _serve(self, conn: UpstreamConnection, made: Connect | None) -> bool:
+        """Hand `conn` (released, or new from connect `made`) to the oldest waiter; False if
+        none waits. Each waiter still waiting keeps a connect to count on, or an acquire
+        deadline: the oldest may be served before its own connect ends (that connect is then
+        counted on by the waiter `made` was for), or may have counted on none (then `made`'s
+        waiter now waits for a release)."""
+        waiters = self.waiters
+        while waiters:
+            w = waiters.popleft()
+            w.queue = None
+            if not w.done:
+                break
+        else:
+            return False
+        heir = made.owner if made is not None else None
+        if heir is w or (heir is not None and heir.done):
+            heir = None
+        own = w.connect
+        w.connect = None
+        if own is not None and own is not made:
+            own.owner = heir
+            if heir is not None:
+                heir.connect = own
+        elif heir is not None:
+            heir.connect = None
+            self._wait_for_release(heir)
+        w.fire(conn, None)
+        return True
+
     def forget(self, conn: UpstreamConnection) -> None:
         """A connection closed (by either side): drop it from the counts."""
         self.open -= 1
@@ -182,15 +235,17 @@ class Pool:
             self.idle.remove(conn)
         except ValueError:
             pass
-        # A slot freed: a waiter may now open a connection.
-        while self.waiters and self.open < self.settings.max_connections:
-            w = self.waiters.popleft()
-            if w.done:
-                continue
-            if w.timer is not None:
-                w.timer.cancel()
-                w.timer = None
-            self._start_connect(w)
+        # A slot freed: a waiter counting on a release may now open a connection.
+        if self.waiters and self.open < self.settings.max_connections:
+            for w in list(self.waiters):
+                if self.open >= self.settings.max_connections:
+                    break
+                if w.done or w.connect is not None:
+                    continue
+                if w.timer is not None:
+                    w.timer.cancel()
+                    w.timer = None
+                self._start_connect(w)
 
     # -- lifecycle work (tasks are fine here: not per call) --------------------
 
@@ -199,9 +254,10 @@ class Pool:
         self.connecting += 1
         if self.on_connect_start is not None:
             self.on_connect_start()
-        self.loop.create_task(self._connect(w))
+        w.connect = made = Connect(w)
+        self.loop.create_task(self._connect(made))
 
-    async def _connect(self, w: Waiter) -> None:
+    async def _connect(self, made: Connect) -> None:
         s = self.settings
         try:
             conn = await self._open(s)
@@ -217,8 +273,11 @@ class Pool:
                 # before the waiter hears of it: a failure may open the breaker, and a retry
                 # then picks another endpoint
                 self.on_connect_end(False)
-            w.fire(None, UpstreamError(f"connect to {self.label} {reason}", written=False, timeout=timeout,
-                                       endpoint_fault=self.on_connect_end is None))
+            w = made.owner
+            if w is not None:
+                w.connect = None
+                w.fire(None, UpstreamError(f"connect to {self.label} {reason}", written=False, timeout=timeout,
+                                           endpoint_fault=self.on_connect_end is None))
             return
         except BaseException:  # cancelled (the loop is going away): says nothing about the endpoint
             self.connecting -= 1
@@ -230,8 +289,8 @@ class Pool:
             self.on_connect_end(True)
         self.stats["connects"] += 1
         conn.owned = True
-        if not w.fire(conn, None):
-            # The caller gave up meanwhile: keep the connection for the next one.
+        if not self._serve(conn, made):
+            # Nobody waits (its caller gave up, or was served sooner): keep it for the next one.
             self.release(conn)
 
     async def _open(self, s: PoolSettings) -> UpstreamConnection:
@@ -270,10 +329,6 @@ class Pool:
         return conn
 
     def _acquire_timeout(self, w: Waiter) -> None:
-        try:
-            self.waiters.remove(w)
-        except ValueError:
-            pass
         self.stats["acquire_timeouts"] += 1
         w.timer = None
         w.fire(None, UpstreamError(

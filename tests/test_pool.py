@@ -1,0 +1,147 @@
+"""The pool's one queue of waiters, on real sockets: a connection goes to the call that has waited
+longest, whichever call's connect opened it.
+
+A connect can be made to hang: a listener whose accept queue is full (listen(0) and one
+connection not accepted) drops SYNs, and the client's kernel sends its SYN again only after
+about a second. Accepting the queued connection then lets the next connect through at once, so
+the connect started second ends first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import uvloop
+
+from proxy.codec import Framing, Protocol
+from proxy.pool import Pool, PoolSettings
+
+
+class Blocked:
+    """A listener whose next connect hangs (its accept queue is full) until `open_up()`."""
+
+    def __init__(self) -> None:
+        self.ls = socket.socket()
+        self.ls.bind(("127.0.0.1", 0))
+        self.ls.listen(0)
+        self.port = self.ls.getsockname()[1]
+        self.accepted: list[socket.socket] = []
+        self.filler = socket.create_connection(("127.0.0.1", self.port))  # fills the queue
+
+    def open_up(self) -> None:
+        """Take what the queue holds: the next SYN gets through (one sent earlier waits for its
+        kernel to send it again)."""
+        self.ls.setblocking(False)
+        while True:
+            try:
+                self.accepted.append(self.ls.accept()[0])
+            except BlockingIOError:
+                return
+
+    def close(self) -> None:
+        for s in (self.filler, self.ls, *self.accepted):
+            s.close()
+
+
+def _run(body, **settings):
+    """Run `body(pool, blocked, record)` on a uvloop loop; `record(name)` is an acquire callback
+    that logs (name, conn, error, seconds since the start) into the list it returns with."""
+    blocked = Blocked()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        pool = Pool(loop, "127.0.0.1", blocked.port, Framing.FRAMED, Protocol.BINARY, PoolSettings(**settings))
+        log: list = []
+        t0 = time.monotonic()
+
+        def record(name):
+            return lambda conn, err: log.append((name, conn, err, time.monotonic() - t0))
+
+        try:
+            return await body(pool, blocked, record, log)
+        finally:
+            pool.close()
+
+    try:
+        return uvloop.run(main())
+    finally:
+        blocked.close()
+
+
+async def _until(cond, within: float = 6.0) -> None:
+    deadline = time.monotonic() + within
+    while not cond():
+        assert time.monotonic() < deadline, "timed out waiting"
+        await asyncio.sleep(0.01)
+
+
+def test_first_connection_goes_to_the_first_waiter_and_the_second_follows_on_it():
+    """Two calls back to back (a oneway, then a call) while the pool connects: the second
+    connect ends first. Its connection serves the first call; released, it serves the second:
+    they leave in the order they came, on one connection, and neither waits for the hung SYN."""
+
+    async def body(pool, blocked, record, log):
+        pool.acquire(record("first"))
+        await asyncio.sleep(0.1)          # its SYN was dropped: the kernel resends it in ~1 s
+        blocked.open_up()
+        pool.acquire(record("second"))
+        await _until(lambda: log)
+        ((name, conn, err, at),) = log
+        assert (name, err) == ("first", None) and at < 0.8, log  # not ~1 s: its own SYN's resend
+        blocked.open_up()                 # (the second's connection filled the queue again)
+        pool.release(conn)                # (a oneway: free once written)
+        await _until(lambda: len(log) == 2)
+        assert log[1][:3] == ("second", conn, None), log
+        pool.release(conn)
+        await _until(lambda: len(pool.idle) == 2)  # the hung connect ended too: kept idle
+        return pool.snapshot()
+
+    snap = _run(body, connect_timeout=5.0)
+    assert (snap["open"], snap["idle"], snap["connecting"], snap["waiting"]) == (2, 2, 0, 0), snap
+
+
+def test_a_failed_connect_is_for_the_waiter_left_counting_on_it():
+    """The second connect serves the first waiter; the first connect then times out: the
+    second waiter, which now counts on it, gets that error (and the served call keeps its
+    connection)."""
+
+    async def body(pool, blocked, record, log):
+        pool.acquire(record("first"))
+        await asyncio.sleep(0.05)
+        blocked.open_up()
+        pool.acquire(record("second"))
+        await _until(lambda: len(log) == 2, within=3.0)
+        return log, pool.snapshot()
+
+    log, snap = _run(body, connect_timeout=0.4)
+    (first, second) = log
+    assert first[0] == "first" and first[1] is not None and first[2] is None, log
+    assert second[0] == "second" and second[1] is None, log
+    assert second[2].message.endswith("timed out after 400ms") and second[2].timeout, second[2].message
+    assert (snap["open"], snap["connecting"], snap["waiting"]) == (1, 0, 0), snap
+
+
+def test_a_waiter_served_by_a_release_leaves_its_connect_to_the_pool():
+    """A call waits for its own (hung) connect; a busy connection comes free first and serves it.
+    Its connect, when it ends, is nobody's: the connection goes idle; no second callback."""
+
+    async def body(pool, blocked, record, log):
+        blocked.open_up()
+        pool.acquire(record("busy"))
+        await _until(lambda: log)
+        busy = log[0][1]                  # (its connection, not accepted, fills the queue again)
+        pool.acquire(record("waiting"))
+        await asyncio.sleep(0.1)          # its SYN was dropped
+        assert len(log) == 1
+        pool.release(busy)
+        await _until(lambda: len(log) == 2)
+        assert log[1][:3] == ("waiting", busy, None), log
+        blocked.open_up()
+        await _until(lambda: len(pool.idle) == 1 and pool.connecting == 0)
+        await asyncio.sleep(0.05)
+        assert len(log) == 2, log
+        return pool.idle[0] is not busy
+
+    assert _run(body, connect_timeout=5.0)
