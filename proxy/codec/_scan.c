@@ -220,25 +220,34 @@ scan_binary(Scanner *s, const uint8_t *buf, Py_ssize_t end)
         }
         Frame *top = &s->stack[s->depth - 1];
         if (top->kind == K_STRUCT) {
-            if (pos >= end) { ret = 0; goto out; }
-            int t = buf[pos];
+            /* The struct's fields, one after another while each is a fixed-size or string
+             * value all here (the fast path: no trip round the outer loop per field). */
+            int t;
+            for (;;) {
+                if (pos >= end) { ret = 0; goto out; }
+                t = buf[pos];
+                if (t == 0)
+                    break;
+                if (end - pos < 3) { ret = 0; goto out; }
+                if (!BIN_VALID[t]) {
+                    protocol_error("bad request: invalid field type %d", t);
+                    ret = -1; goto out;
+                }
+                Py_ssize_t p = bin_value_end(buf, pos + 3, end, t);
+                if (p < 0)
+                    break;
+                pos = p;
+            }
             if (t == 0) {
                 pos += 1;
                 if (--s->depth == 0) { ret = 1; goto out; }
                 continue;
             }
-            if (end - pos < 3) { ret = 0; goto out; }
-            if (!BIN_VALID[t]) {
-                protocol_error("bad request: invalid field type %d", t);
-                ret = -1; goto out;
-            }
-            /* Fast path: a fixed-size or string field all here. */
-            Py_ssize_t p = bin_value_end(buf, pos + 3, end, t);
-            if (p >= 0) {
-                pos = p;
+            pos += 3;
+            if (t == 12) {  /* a struct field: its frame at once (what `pending` would do next) */
+                if (push(s, K_STRUCT, 0, 0, 0) < 0) { pending = t; ret = -1; goto out; }
                 continue;
             }
-            pos += 3;
             pending = t;
         } else if (top->kind == K_LIST) {
             int64_t n = top->n;
@@ -270,6 +279,10 @@ scan_binary(Scanner *s, const uint8_t *buf, Py_ssize_t end)
                 }
             }
             top->n = n - 1;
+            if (et == 12) {  /* a struct element: its frame at once (what `pending` would do next) */
+                if (push(s, K_STRUCT, 0, 0, 0) < 0) { pending = et; ret = -1; goto out; }
+                continue;
+            }
             pending = et;
         } else {
             int64_t rem = top->n;
@@ -280,7 +293,8 @@ scan_binary(Scanner *s, const uint8_t *buf, Py_ssize_t end)
             /* Fast path: keys and values that are fixed-size or strings, all here. */
             Py_ssize_t p;
             int64_t r = rem;
-            while (r > 0 && (p = bin_value_end(buf, pos, end, (r & 1) == 0 ? top->a : top->b)) >= 0) {
+            const int kt = top->a, vt = top->b;
+            while (r > 0 && (p = bin_value_end(buf, pos, end, (r & 1) == 0 ? kt : vt)) >= 0) {
                 pos = p;
                 r--;
             }
@@ -457,33 +471,43 @@ scan_compact(Scanner *s, const uint8_t *buf, Py_ssize_t end)
         }
         Frame *top = &s->stack[s->depth - 1];
         if (top->kind == K_STRUCT) {
-            if (pos >= end) { ret = 0; goto out; }
-            int b = buf[pos];
+            /* The struct's fields, one after another while each is a bool, fixed-size,
+             * varint or string value all here (no trip round the outer loop per field). */
+            int b, t;
+            for (;;) {
+                if (pos >= end) { ret = 0; goto out; }
+                b = buf[pos];
+                if (b == 0)
+                    break;
+                t = b & 0x0F;
+                if (!CMP_VALID[t]) {
+                    protocol_error("bad request: invalid field type %d", t);
+                    ret = -1; goto out;
+                }
+                Py_ssize_t p = pos + 1;
+                if (!(b & 0xF0)) {  /* long form: zigzag varint field id follows */
+                    p = varint_end(buf, p, end, 1);
+                    if (p == -2) { ret = -1; goto out; }
+                    if (p < 0) { ret = 0; goto out; }
+                }
+                pos = p;
+                if (t == 1 || t == 2)  /* bool fields carry their value in the type */
+                    continue;
+                p = cmp_value_end(buf, pos, end, t);
+                if (p < 0)
+                    break;
+                pos = p;
+            }
             if (b == 0) {
                 pos += 1;
                 if (--s->depth == 0) { ret = 1; goto out; }
                 continue;
             }
-            int t = b & 0x0F;
-            if (!CMP_VALID[t]) {
-                protocol_error("bad request: invalid field type %d", t);
-                ret = -1; goto out;
+            if (t == 12) {  /* a struct field: its frame at once (what `pending` would do next) */
+                if (push(s, K_STRUCT, 0, 0, 0) < 0) { pending = t; ret = -1; goto out; }
+                continue;
             }
-            Py_ssize_t p = pos + 1;
-            if (!(b & 0xF0)) {  /* long form: zigzag varint field id follows */
-                p = varint_end(buf, p, end, 1);
-                if (p == -2) { ret = -1; goto out; }
-                if (p < 0) { ret = 0; goto out; }
-            }
-            pos = p;
-            if (t != 1 && t != 2) {  /* bool fields carry their value in the type */
-                /* Fast path: a fixed-size, varint or string field all here. */
-                p = cmp_value_end(buf, pos, end, t);
-                if (p >= 0)
-                    pos = p;
-                else
-                    pending = t;
-            }
+            pending = t;
         } else if (top->kind == K_LIST) {
             int64_t n = top->n;
             if (n == 0) {
@@ -513,6 +537,10 @@ scan_compact(Scanner *s, const uint8_t *buf, Py_ssize_t end)
                 }
             }
             top->n = n - 1;
+            if (et == 12) {  /* a struct element: its frame at once (what `pending` would do next) */
+                if (push(s, K_STRUCT, 0, 0, 0) < 0) { pending = et; ret = -1; goto out; }
+                continue;
+            }
             pending = et;
         } else {
             int64_t rem = top->n;
@@ -522,7 +550,8 @@ scan_compact(Scanner *s, const uint8_t *buf, Py_ssize_t end)
             }
             Py_ssize_t p;
             int64_t r = rem;
-            while (r > 0 && (p = cmp_value_end(buf, pos, end, (r & 1) == 0 ? top->a : top->b)) >= 0) {
+            const int kt = top->a, vt = top->b;
+            while (r > 0 && (p = cmp_value_end(buf, pos, end, (r & 1) == 0 ? kt : vt)) >= 0) {
                 pos = p;
                 r--;
             }
