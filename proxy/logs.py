@@ -40,6 +40,10 @@ class Throttle:
         for a last word when the lines stop coming, e.g. at shutdown."""
         return self._held.pop(key, 0)
 
+    def holding(self) -> list[Hashable]:
+        """The keys with lines held back (for `held`)."""
+        return list(self._held)
+
     def warn(self, logger: logging.Logger, key: Hashable, msg: str, *args) -> None:
         """`logger.warning(msg, *args)`, if `key`'s line may go out now (`admit`)."""
         held = self.admit(key)

@@ -20,7 +20,8 @@ first): `on_connect_start()` / `on_connect_end(ok)`, set by the owner
 and a failed one against its breaker), and a log line for a failure, a
 timeout as much as a refusal (the first at once, then at most one per
 `WARN_EVERY` per pool and reason, with a count of those held back: an endpoint
-that refuses every connect under load does not flood the log). The error handed to a waiter then says
+that refuses every connect under load does not flood the log; a count no next
+line will carry is said when a connect succeeds or the pool closes). The error handed to a waiter then says
 `endpoint_fault=False`: the failure was reported once, here, and the caller's
 attempt must not count it again.
 """
@@ -288,6 +289,7 @@ class Pool:
         if self.on_connect_end is not None:
             self.on_connect_end(True)
         self.stats["connects"] += 1
+        self._say_held(str, "before a connect succeeded")
         conn.owned = True
         if not self._serve(conn, made):
             # Nobody waits (its caller gave up, or was served sooner): keep it for the next one.
@@ -349,9 +351,21 @@ class Pool:
             delay = max(idle[0].idle_since - limit, 0.05)
             self._sweep = self.loop.call_later(delay, self._evict)
 
+    def _say_held(self, kind: type, when: str) -> None:
+        """The count of the warnings of `kind` (str: connect failures; tuple: TLS refusals)
+        held back since their last line, said now: no line of theirs may come again."""
+        for key in self.warnings.holding():
+            if isinstance(key, kind):
+                n = self.warnings.held(key)
+                what = (f"connect to {self.label} {key}" if isinstance(key, str)
+                        else f"upstream {self.label} refused the proxy's TLS connection: {key[1]}")
+                log.warning("%s: %d more time%s since the last such line, %s", what, n,
+                            "" if n == 1 else "s", when)
+
     def close(self) -> None:
         """Close idle connections now; busy ones close when their exchange ends."""
         self.closed = True
+        self._say_held(object, "before its pool closed")
         if self._sweep is not None:
             self._sweep.cancel()
         for conn in list(self.idle):

@@ -13,6 +13,7 @@ import asyncio
 import socket
 import time
 
+import pytest
 import uvloop
 
 from proxy.codec import Framing, Protocol
@@ -145,3 +146,39 @@ def test_a_waiter_served_by_a_release_leaves_its_connect_to_the_pool():
         return pool.idle[0] is not busy
 
     assert _run(body, connect_timeout=5.0)
+
+
+@pytest.mark.parametrize("then", ["connect", "close"])
+def test_connect_failures_held_back_are_counted_when_no_more_will_come(caplog, then):
+    """Refused connects within WARN_EVERY make one log line; once a connect succeeds (the endpoint
+    is back), or the pool closes, the count of those held back is said: it would otherwise wait
+    for a next failure that may never come."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # bound, not listening: connects are refused
+
+        async def main():
+            loop = asyncio.get_running_loop()
+            pool = Pool(loop, "127.0.0.1", port, Framing.FRAMED, Protocol.BINARY, PoolSettings())
+            try:
+                for _ in range(4):
+                    got = loop.create_future()
+                    pool.acquire(lambda conn, err: got.set_result((conn, err)))
+                    conn, err = await got
+                    assert conn is None and "refused" in err.message, err
+                if then == "connect":
+                    probe.listen(8)
+                    got = loop.create_future()
+                    pool.acquire(lambda conn, err: got.set_result((conn, err)))
+                    conn, err = await got
+                    assert err is None and conn is not None
+            finally:
+                pool.close()
+
+        with caplog.at_level("WARNING", logger="proxy.pool"):
+            uvloop.run(main())
+    when = "before a connect succeeded" if then == "connect" else "before its pool closed"
+    lines = [r.getMessage() for r in caplog.records if r.name == "proxy.pool"]
+    assert lines == [f"connect to 127.0.0.1:{port} failed: Connection refused",
+                     f"connect to 127.0.0.1:{port} failed: Connection refused: 3 more times since the "
+                     f"last such line, {when}"], lines
