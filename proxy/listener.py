@@ -78,7 +78,7 @@ class ListenerState:
 
 
 class ClientConnection(asyncio.Protocol):
-    __slots__ = ("state", "transport", "decoder", "queue", "peer", "t_first",
+    __slots__ = ("state", "settings", "transport", "decoder", "queue", "peer", "t_first",
                  "closing", "paused_reading", "paused_writing", "_read_timer", "_idle_timer",
                  "_last_active", "_linger", "fd", "bytes_out", "_unacked", "_ack_poll", "_ack_delay",
                  "stream_call", "stream_up", "_waiting", "_waiting_bytes", "_paused_at", "_framing", "_eof", "_stall_timer",
@@ -87,7 +87,9 @@ class ClientConnection(asyncio.Protocol):
 
     def __init__(self, state: ListenerState) -> None:
         self.state = state
-        s = state.settings
+        # The settings it was accepted under, for its whole life: a reload's new settings are
+        # for new connections (a timer armed under one idle_timeout must not read another).
+        self.settings = s = state.settings
         self.transport = None
         self.decoder = Decoder(s.framing, s.protocol, s.max_frame_size)
         self.queue: deque[Call] = deque()
@@ -137,7 +139,7 @@ class ClientConnection(asyncio.Protocol):
         set_nodelay(sock)
         self.fd = sock.fileno()
         self.peer = transport.get_extra_info("peername")
-        if state.settings.idle_timeout > 0:
+        if self.settings.idle_timeout > 0:
             self._last_active = monotonic_ns()
             self._arm_idle()
 
@@ -155,7 +157,7 @@ class ClientConnection(asyncio.Protocol):
             if not data:
                 return  # (what follows the streamed request, if anything, begins the next one)
         dec = self.decoder
-        if len(self.queue) < self.state.settings.max_inflight:
+        if len(self.queue) < self.settings.max_inflight:
             msg = dec.take(data)  # the common case: this read is one whole request
             if msg is not None:
                 self.t_first = now
@@ -164,7 +166,7 @@ class ClientConnection(asyncio.Protocol):
                 else:
                     self._bad_type(msg)
                 if (not self.closing and (self._read_timer is not None or self._eof
-                                          or len(self.queue) >= self.state.settings.max_inflight)):
+                                          or len(self.queue) >= self.settings.max_inflight)):
                     self._after_framing(dec)
                 return
         if not dec.buffered:
@@ -177,7 +179,7 @@ class ClientConnection(asyncio.Protocol):
         the rest waits in the decoder, reading paused, until replies go out (_maybe_resume)."""
         dec = self.decoder
         pipeline = self.state.pipeline  # the current config's (a reload swaps it)
-        limit = self.state.settings.max_inflight
+        limit = self.settings.max_inflight
         self._framing = True
         try:
             self._frame_loop(dec, pipeline, limit, now)
@@ -189,7 +191,7 @@ class ClientConnection(asyncio.Protocol):
         """Pause reading at max_inflight; arm or cancel the read deadline; a waiting EOF."""
         if self.closing:
             return
-        limit = self.state.settings.max_inflight
+        limit = self.settings.max_inflight
         if len(self.queue) >= limit and self.upload is None:  # (an upload's bytes are its counted call's)
             self._disarm_read()  # bytes we hold back are not the client's delay
             if dec.buffered and not self._held_since:
@@ -393,7 +395,7 @@ class ClientConnection(asyncio.Protocol):
         """An unframed request that turned out malformed mid-stream (where the next request
         would begin cannot be known)."""
         self.state.stats["protocol_errors"] += 1
-        log.info("client %s on listener %s: %s", self.peer, self.state.settings.name, e.message)
+        log.info("client %s on listener %s: %s", self.peer, self.settings.name, e.message)
         self._upload_broken(e.message)
 
     def _upload_broken(self, text: str, outcome=None) -> None:
@@ -428,7 +430,7 @@ class ClientConnection(asyncio.Protocol):
         if up is not None:  # answer it (the client half-closed), then close
             self._upload_broken(f"bad request: connection closed inside a request ({up.progress()})")
             return bool(self.queue)
-        if self.decoder.buffered and len(self.queue) >= self.state.settings.max_inflight:
+        if self.decoder.buffered and len(self.queue) >= self.settings.max_inflight:
             self._eof = True  # whole requests wait in the decoder: answer them first
             return True
         return self._half_closed()
@@ -520,11 +522,11 @@ class ClientConnection(asyncio.Protocol):
         if not self.paused_reading and not self.closing:
             self.paused_reading = True
             self.transport.pause_reading()
-        if self._stall_timer is None and self.state.settings.request_read_timeout > 0:
+        if self._stall_timer is None and self.settings.request_read_timeout > 0:
             self._stall_mark = self._client_read()
             self._stall_seen = monotonic_ns()
             self._stall_timer = self.state.loop.call_later(
-                self.state.settings.request_read_timeout / STALL_LOOKS, self._write_stall)
+                self.settings.request_read_timeout / STALL_LOOKS, self._write_stall)
 
     def _client_read(self) -> int:
         """Reply bytes the client's kernel has taken (written, handed, and not left unsent)."""
@@ -535,7 +537,7 @@ class ClientConnection(asyncio.Protocol):
         if not self.paused_writing or self.transport is None or self.transport.is_closing():
             return
         read = self._client_read()
-        timeout = self.state.settings.request_read_timeout
+        timeout = self.settings.request_read_timeout
         now = monotonic_ns()
         if read != self._stall_mark:  # slow, but reading (or its kernel still taking bytes)
             self._stall_mark = read
@@ -545,7 +547,7 @@ class ClientConnection(asyncio.Protocol):
             return
         self.state.stats["write_stalls"] += 1
         log.info("client %s on listener %s read no reply byte for %gs (%d bytes waiting): closing",
-                 self.peer, self.state.settings.name, timeout, self.transport.get_write_buffer_size())
+                 self.peer, self.settings.name, timeout, self.transport.get_write_buffer_size())
         self._closed_why = f"the client read no reply byte for {timeout:g}s (write stall: closed by the proxy)"
         self.transport.abort()
 
@@ -757,7 +759,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _maybe_resume(self) -> None:
         if (self.paused_reading and not self.paused_writing and not self.closing and not self._upload_held
-                and len(self.queue) < self.state.settings.max_inflight
+                and len(self.queue) < self.settings.max_inflight
                 and (self.upload is None or self.upload.splice is None)):
             self.paused_reading = False
             self.transport.resume_reading()
@@ -833,7 +835,7 @@ class ClientConnection(asyncio.Protocol):
     @property
     def max_frame_size(self) -> int:
         """The listener's bound on a request, also on what a zlib THeader payload inflates to."""
-        return self.state.settings.max_frame_size
+        return self.settings.max_frame_size
 
     def refuse_more(self) -> None:
         """A request turned out malformed only once handled (its zlib payload does not inflate,
@@ -863,7 +865,7 @@ class ClientConnection(asyncio.Protocol):
                 head = None
         if head is None and dec.framing is not None and dec.protocol is not None:
             head = Head("", MessageType.CALL, 0, dec.framing, dec.protocol)
-        log.info("client %s on listener %s: %s", self.peer, self.state.settings.name, e.message)
+        log.info("client %s on listener %s: %s", self.peer, self.settings.name, e.message)
         if head is not None and head.type != MessageType.ONEWAY and not self._oneway_name(head.name):
             # Its head, when it could be read (e.g. a frame over max_frame_size), names the call in
             # metrics and spans as in the client's answer: method and seqid, not `_INVALID`.
@@ -918,7 +920,7 @@ class ClientConnection(asyncio.Protocol):
             self._read_timer = None
 
     def _arm_read_timer(self, t_first: int) -> None:
-        timeout = self.state.settings.request_read_timeout
+        timeout = self.settings.request_read_timeout
         if timeout <= 0:
             return
         loop = self.state.loop
@@ -934,7 +936,7 @@ class ClientConnection(asyncio.Protocol):
             self._arm_read_timer(self.t_first)
             return
         self.state.stats["read_timeouts"] += 1
-        timeout = self.state.settings.request_read_timeout
+        timeout = self.settings.request_read_timeout
         if up is not None:
             a = up.call.attempt
             got = f"({up.progress()})"
@@ -954,13 +956,13 @@ class ClientConnection(asyncio.Protocol):
 
     def _arm_idle(self) -> None:
         loop = self.state.loop
-        self._idle_timer = loop.call_later(self.state.settings.idle_timeout, self._idle_check)
+        self._idle_timer = loop.call_later(self.settings.idle_timeout, self._idle_check)
 
     def _idle_check(self) -> None:
         self._idle_timer = None
         if self.closing:
             return
-        idle = self.state.settings.idle_timeout
+        idle = self.settings.idle_timeout
         now = monotonic_ns()
         if self._unacked or self.stream_call is not None or self.paused_writing:
             self._last_active = now  # still delivering replies (a slow reader is not idle)

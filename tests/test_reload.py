@@ -401,3 +401,32 @@ def test_second_signal_exits_at_once_while_spans_cannot_be_exported():
     up.stop()
     assert rc == 0
     assert elapsed < SPAN_FLUSH_TIMEOUT - 1, elapsed  # ~0.1 s; the flush would take SPAN_FLUSH_TIMEOUT
+
+
+def test_connections_keep_the_listener_settings_they_were_accepted_under():
+    """A reload's listener settings are for new connections. An open one keeps its own: its idle
+    timer, armed under idle_timeout 1s, must not read the new 0s ("keep idle connections") as
+    "idle too long" and close a client that calls every 0.3 s; a new connection gets the new
+    settings (request_read_timeout here)."""
+    up = ThriftServer()
+    port = free_ports(1)[0]
+    text = _one_listener("test", port, up.address, listener_extra="\n    idle_timeout: 1s\n    request_read_timeout: 20s")
+    try:
+        with Proxy(text) as p:
+            with client(port) as kept:
+                for i in range(3):
+                    assert kept.lookup(f"a{i}") == f"upstream:a{i}"
+                    time.sleep(0.3)
+                assert _apply(p, text.replace("idle_timeout: 1s", "idle_timeout: 0s").replace(
+                    "request_read_timeout: 20s", "request_read_timeout: 10s"))
+                for i in range(6):
+                    assert kept.lookup(f"b{i}") == f"upstream:b{i}"
+                    time.sleep(0.3)
+                with client(port) as fresh:
+                    assert fresh.lookup("c") == "upstream:c"
+                    conns = p.call(lambda: sorted((c.settings.idle_timeout, c.settings.request_read_timeout)
+                                                  for c in p.server.listeners["test"].connections))
+                assert conns == [(0.0, 10.0), (1.0, 20.0)], conns
+            assert _snapshot(p)["listeners"]["test"].get("idle_closed", 0) == 0
+    finally:
+        up.stop()
