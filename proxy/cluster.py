@@ -121,6 +121,14 @@ class Cluster:
         return (f"no endpoint available in cluster '{self.name}': {len(eps)} endpoint(s), "
                 f"{ejected} ejected (breaker open), {unhealthy} failing health checks")
 
+    def renew_tls(self, ssl: ssl_mod.SSLContext) -> None:
+        """A reload read this cluster's TLS files again: new connections use `ssl` (open ones
+        keep the session they have)."""
+        self.ssl = ssl
+        for endpoint in self.endpoints:
+            for pool in endpoint.pools.values():
+                pool.ssl = ssl
+
     def pool(self, endpoint: Endpoint, framing: Framing, protocol: Protocol) -> Pool:
         key = (framing, protocol)
         pool = endpoint.pools.get(key)

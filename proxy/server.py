@@ -219,14 +219,20 @@ class Server:
 
     # -- building ----------------------------------------------------------------------
 
-    def _build_clusters(self, config: cfgmod.Config) -> tuple[dict[str, Cluster], list[Cluster]]:
-        """Clusters for `config`: unchanged ones reused; returns (new ones, retired ones)."""
+    def _build_clusters(self, config: cfgmod.Config) -> tuple[dict[str, Cluster], list[Cluster], list]:
+        """Clusters for `config`: unchanged ones reused; returns (new ones, retired ones, and
+        (cluster, context) for each reused one with TLS: its files read again, as a new cluster's
+        are, for `Cluster.renew_tls` once the reload commits: rotated certificates and CAs take
+        effect on new connections, and an unreadable file rejects the reload)."""
         clusters: dict[str, Cluster] = {}
         fresh: dict[str, Cluster] = {}
+        renewed: list = []
         for c in config.clusters:
             old = self.clusters.get(c.name)
             if old is not None and self._cluster_cfg.get(c.name) == c:
                 clusters[c.name] = old
+                if c.tls is not None:
+                    renewed.append((old, client_context(c.tls, c.name)))
                 continue
             cluster = build_cluster(c, self.loop, self.rng, self.resolver)
             resilience.attach(cluster, c, monotonic)
@@ -237,7 +243,7 @@ class Server:
         retired = [c for name, c in self.clusters.items() if clusters.get(name) is not c]
         self.clusters = clusters
         self._cluster_cfg = {c.name: c for c in config.clusters}
-        return fresh, retired
+        return fresh, retired, renewed
 
     def build_listener(self, lc: cfgmod.Listener, config: cfgmod.Config | None = None) -> ListenerState:
         return ListenerState(self._settings(lc), self._pipeline(lc, config), self.loop)
@@ -376,7 +382,7 @@ class Server:
             slots: list[_Slot] = []
             try:
                 try:
-                    fresh, retired = self._build_clusters(config)
+                    fresh, retired, renewed = self._build_clusters(config)
                 except TlsError as e:
                     raise _tls_start_error(config, e) from None
                 slots = self._plan_listeners(config)
@@ -403,6 +409,8 @@ class Server:
                           e.line(self.path) if isinstance(e, StartError) else e)
                 return False
             # -- commit: nothing below fails the reload
+            for cluster, ctx in renewed:
+                cluster.renew_tls(ctx)
             await self._start_clusters(fresh.values())  # replaced clusters' checkers closed first
             prev_config = self.config
             self.config = config

@@ -204,8 +204,11 @@ def test_wrong_ca_or_server_name_is_not_sent_and_logged(pki, caplog, case, why):
                     assert why in e.value.message
         assert up.handler.calls == 0
         lines = [r.getMessage() for r in caplog.records if r.name == "proxy.pool"]
-        # one line for the two failures: the second came within the pool's WARN_EVERY
-        assert len([m for m in lines if f"connect to {up.address} failed" in m and why in m]) == 1, lines
+        # one line for the two failures (the second came within the pool's WARN_EVERY), and the
+        # count held back said when the pool closed
+        said = [m for m in lines if f"connect to {up.address} failed" in m and why in m]
+        assert len(said) == 2 and said[1].endswith(": 1 more time since the last such line, "
+                                                   "before its pool closed"), lines
     finally:
         up.stop()
 
@@ -272,3 +275,37 @@ def test_upstream_closing_during_the_handshake_is_named_not_blank(pki, caplog):
         assert why == f"connect failed: {hint}"
     finally:
         up.close()
+
+
+def test_a_reload_reads_an_unchanged_clusters_tls_files_again(pki, tmp_path, caplog):
+    """The same config text, reloaded after its CA file was rotated: new connections trust the
+    new CA (a cluster whose config did not change is kept, its pools and breakers too, but its TLS
+    files are read again). A CA file that is gone then rejects the reload; the old one serves."""
+    up = TlsThriftServer(server_ctx(pki, require_client_cert=False), name="tls-up")
+    trust = tmp_path / "trust.pem"
+    shutil.copy(pki / "other-ca.pem", trust)  # the wrong CA first: handshakes fail
+    text = config_text([up.address], extra_cluster=tls_yaml(ca=trust, server_name="users.internal")
+                       + "\n    pool: {idle_timeout: 0s}")
+
+    def reload() -> bool:
+        return asyncio.run_coroutine_threadsafe(p.server.apply(cfgmod.loads(text, "test.yaml")),
+                                                p.loop).result(20)
+
+    try:
+        with Proxy(text) as p, client(p.port()) as c:
+            cluster = p.server.clusters["up"]
+            with pytest.raises(TApplicationException) as e:
+                c.lookup("x")
+            assert e.value.message.startswith("thrift-sidecar: not sent: "), e.value.message
+            shutil.copy(pki / "ca.pem", trust)   # rotated
+            assert reload()
+            assert p.server.clusters["up"] is cluster  # kept: the config text is the same
+            assert c.lookup("x") == "tls-up:x"
+            trust.unlink()
+            with caplog.at_level(logging.ERROR, logger="proxy.server"):
+                assert not reload()
+            assert any("tls.ca" in r.getMessage() and "reload rejected" in r.getMessage()
+                       for r in caplog.records), [r.getMessage() for r in caplog.records]
+            assert c.lookup("y") == "tls-up:y"
+    finally:
+        up.stop()
