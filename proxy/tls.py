@@ -54,10 +54,23 @@ def client_context(tls: cfgmod.Tls, cluster: str = "?") -> ssl.SSLContext:
         raise TlsError(cluster, "ca", f"{tls.ca}: {_reason(e)}") from None
     if tls.cert is not None:
         try:
-            ctx.load_cert_chain(str(tls.cert), str(tls.key))
+            # (a passphrase asked for: refused, never OpenSSL's prompt on the terminal, which
+            # would block the process, or its event loop during a reload)
+            ctx.load_cert_chain(str(tls.cert), str(tls.key), password=_no_passphrase)
+        except _Encrypted:
+            raise TlsError(cluster, "key", f"{tls.key}: encrypted (it needs a passphrase); give an "
+                                           "unencrypted key file") from None
         except (OSError, ssl.SSLError) as e:
             raise TlsError(cluster, "cert", f"{tls.cert} / tls.key {tls.key}: {_reason(e)}") from None
     return ctx
+
+
+class _Encrypted(Exception):
+    """The key file asked for a passphrase."""
+
+
+def _no_passphrase() -> bytes:
+    raise _Encrypted
 
 
 # TLS alerts with which a server refuses the client itself (its certificate, or the lack of

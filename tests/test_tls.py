@@ -232,6 +232,17 @@ def test_unusable_files_are_refused_when_the_config_is_built(pki, tmp_path):
         client_context(cluster_cfg(pki, cert="client.pem", key="server.key").tls, "c")
 
 
+def test_an_encrypted_key_is_refused_not_prompted_for(pki, tmp_path):
+    """OpenSSL would ask for the passphrase on the terminal (blocking start, or the event loop
+    in a reload); the proxy refuses such a key, naming it."""
+    _openssl("pkey", "-in", str(pki / "client.key"), "-aes256", "-passout", "pass:secret",
+             "-out", str(tmp_path / "locked.key"), cwd=tmp_path)
+    with pytest.raises(TlsError) as e:
+        client_context(cluster_cfg(pki, cert=pki / "client.pem", key=tmp_path / "locked.key").tls, "c")
+    assert (e.value.field, e.value.detail) == (
+        "key", f"{tmp_path / 'locked.key'}: encrypted (it needs a passphrase); give an unencrypted key file")
+
+
 def test_each_config_load_reads_the_files_again(pki, tmp_path):
     """What a reload does: build the cluster from the config again, TLS context included."""
     shutil.copy(pki / "ca.pem", tmp_path / "trust.pem")
