@@ -159,6 +159,13 @@ def build_route(r: cfgmod.Route, index: int, clusters: dict[str, Cluster], rng: 
     return route
 
 
+def _same_source(a: cfgmod.Endpoints, b: cfgmod.Endpoints) -> bool:
+    """The same discovery source (DNS name or file), however often it is asked."""
+    if a.dns is not None and b.dns is not None:
+        return a.dns.name == b.dns.name
+    return a.file is not None and a.file == b.file
+
+
 class Server:
     """Everything one config file describes, running on one loop; reloadable.
 
@@ -237,8 +244,8 @@ class Server:
             cluster = build_cluster(c, self.loop, self.rng, self.resolver)
             resilience.attach(cluster, c, monotonic)
             if (old is not None and old.discovery is not None and cluster.discovery is not None
-                    and self._cluster_cfg[c.name].endpoints == c.endpoints):
-                cluster.discovery.inherit(old.discovery)  # (the same source: its last good set)
+                    and _same_source(self._cluster_cfg[c.name].endpoints, c.endpoints)):
+                cluster.discovery.inherit(old.discovery)  # (its last good set)
             clusters[c.name] = fresh[c.name] = cluster
         retired = [c for name, c in self.clusters.items() if clusters.get(name) is not c]
         self.clusters = clusters

@@ -150,12 +150,13 @@ def test_connections_of_a_removed_listener_keep_working_on_the_old_config():
         b.stop()
 
 
-@pytest.mark.parametrize("source", ["dns", "file"])
+@pytest.mark.parametrize("source", ["dns", "file", "dns-refresh"])
 def test_reload_rebuilding_a_cluster_while_its_discovery_fails_keeps_the_last_good_set(source, tmp_path):
     """Discovery fails (DNS down, the endpoints file half-written) and the cluster keeps its last
-    good set; a reload then rebuilds that cluster (another key changed). The rebuilt cluster's
-    first discovery round fails too: it keeps the set its predecessor had, not none. (Before,
-    the reload succeeded and every call failed "not sent: cluster 'up' has no endpoints".)"""
+    good set; a reload then rebuilds that cluster (another key changed; "dns-refresh": the DNS
+    refresh itself). The rebuilt cluster's first discovery round fails too: it keeps the set its
+    predecessor had, not none. (Before, the reload succeeded and every call failed "not sent:
+    cluster 'up' has no endpoints".)"""
     up = ThriftServer()
     dns_up = [True]
 
@@ -166,10 +167,12 @@ def test_reload_rebuilding_a_cluster_while_its_discovery_fails_keeps_the_last_go
 
     path = tmp_path / "endpoints.yaml"
     path.write_text(f"- address: 127.0.0.1:{up.port}\n")
-    endpoints = (f"{{dns: {{name: 'users.svc:{up.port}', refresh: 100ms}}}}" if source == "dns"
-                 else f"{{file: '{path}'}}")
-
     def text(connect_timeout: str) -> str:
+        refresh = "200ms" if source == "dns-refresh" and connect_timeout != "250ms" else "100ms"
+        endpoints = (f"{{dns: {{name: 'users.svc:{up.port}', refresh: {refresh}}}}}" if source != "file"
+                     else f"{{file: '{path}'}}")
+        if source == "dns-refresh":
+            connect_timeout = "250ms"
         return f"""
 listeners:
   - name: test
@@ -185,7 +188,7 @@ clusters:
     try:
         with Proxy(text("250ms"), resolver=resolver) as p, client(p.port()) as c:
             assert c.lookup("a") == "upstream:a"
-            if source == "dns":
+            if source != "file":
                 dns_up[0] = False
             else:
                 path.write_text("- address: [half-writ")
