@@ -260,8 +260,22 @@ def _idempotent(value: object) -> object:
     if isinstance(value, bool):
         return value
     if isinstance(value, list) and all(isinstance(v, str) and v for v in value):
+        for i, v in enumerate(value):
+            if ":" in v:
+                raise _At(i, f"a method glob without the service: '{v}' never matches (methods are "
+                             f"matched without their multiplexed 'Svc:' prefix); write "
+                             f"'{v.rsplit(':', 1)[1]}'")
         return tuple(value)
     raise ValueError("must be true, false or a list of method globs")
+
+
+def _method_glob(value: str) -> str:
+    if ":" in value:
+        svc, _, method = value.rpartition(":")
+        raise ValueError(f"a method name or glob without the service: '{value}' never matches (methods "
+                         f"are matched without their multiplexed 'Svc:' prefix); write service: {svc} "
+                         f"and method: {method}")
+    return value
 
 
 def _exception_ref(value: object) -> object:
@@ -315,7 +329,7 @@ class HeaderMatch(_Model):
 
 
 class Match(_Model):
-    method: Text | None = None  # exact name or glob (`get_*`), without the `Svc:` prefix
+    method: Annotated[Text, AfterValidator(_method_glob)] | None = None  # name or glob (`get_*`), no `Svc:`
     service: Name | None = None  # the TMultiplexedProtocol service name
     header: dict[StrictStr, Annotated[HeaderMatch, BeforeValidator(_header_match)]] | None = None
     invert: StrictBool = False
