@@ -25,6 +25,7 @@ import difflib
 import re
 import types
 from pathlib import Path
+from urllib.parse import urlsplit
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
@@ -175,9 +176,24 @@ ListenAddress = Annotated[Address, PlainValidator(_listen_address), PlainSeriali
 EndpointAddress = Annotated[Address, PlainValidator(_endpoint_address), PlainSerializer(str, when_used="json")]
 Name = Annotated[StrictStr, AfterValidator(_name)]
 Text = Annotated[StrictStr, AfterValidator(_not_empty)]
-InputPath = Annotated[Path, BeforeValidator(lambda v: _not_empty(v) if isinstance(v, str) else v),
-                      AfterValidator(_input_path)]
-OutputPath = Annotated[Path, BeforeValidator(lambda v: _not_empty(v) if isinstance(v, str) else v)]
+def _path_text(value: object) -> object:
+    if isinstance(value, str):
+        _not_empty(value)
+        if "\0" in value:
+            raise ValueError("must not contain a NUL character")
+    return value
+
+
+def _url(value: str) -> str:
+    try:
+        urlsplit(value).port  # (an unparsable host or a port out of range raises here)
+    except ValueError as e:
+        raise ValueError(f"not a usable URL: {e}") from None
+    return value
+
+
+InputPath = Annotated[Path, BeforeValidator(_path_text), AfterValidator(_input_path)]
+OutputPath = Annotated[Path, BeforeValidator(_path_text)]
 Ratio = Annotated[float, Strict(), AfterValidator(_ratio)]
 Count = Annotated[int, Strict(), Field(ge=0)]
 PositiveCount = Annotated[int, Strict(), Field(ge=1)]
@@ -230,7 +246,7 @@ class Tracing(_Model):
     otlp_protocol: Literal["grpc", "http"] = "grpc"
     # None = the OTLP exporter's own default, which honours OTEL_EXPORTER_OTLP_ENDPOINT
     # (else http://localhost:4317 for grpc, http://localhost:4318/v1/traces for http)
-    endpoint: Text | None = None
+    endpoint: Annotated[Text, AfterValidator(_url)] | None = None
     path: OutputPath | None = None  # for jsonl; relative to the working directory (output file)
     sample_ratio: Ratio = 0.01
 
@@ -384,7 +400,7 @@ class Listener(_Model):
     protocol: ListenerProtocolName = "binary"
     max_frame_size: FrameSize = THRIFT_DEFAULT_FRAME
     max_connections: PositiveCount = 10000
-    backlog: PositiveCount = 1024
+    backlog: Annotated[int, Strict(), Field(ge=1, le=65535)] = 1024  # (the kernel caps it at somaxconn)
     request_read_timeout: Duration = 30.0  # a started request must arrive within this; 0 = none
     idle_timeout: Duration = 0.0  # 0 = keep idle client connections
     oneway_methods: tuple[Text, ...] = ()
@@ -722,6 +738,8 @@ def loads(text: str, filename: str = "<string>") -> Config:
         if context and start is not None and start.line + 1 != line:
             problem += f" ({context} started on line {start.line + 1})"
         raise ConfigError([f"{filename}:{line}: (root): invalid YAML: {problem}"]) from None
+    except RecursionError:  # (the YAML parser recurses per level of nesting)
+        raise ConfigError([f"{filename}:1: (root): invalid YAML: nested too deeply"]) from None
     if data is None:
         raise ConfigError([f"{filename}:1: (root): the file has no config in it"])
     config = None
@@ -743,7 +761,7 @@ def line_of_key(path: str | Path, loc: Loc) -> int:
     after loading, e.g. a port in use); 1 if the file cannot be read again."""
     try:
         _, lines, _ = _read_yaml(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError):
         return 1
     return _line_of(loc, lines)
 

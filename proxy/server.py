@@ -190,9 +190,16 @@ class Server:
         if telemetry is None and config.tracing.exporter != "none":
             try:
                 telemetry = Telemetry(config.tracing)
-            except OSError as e:  # e.g. the jsonl file's folder does not exist, or is read-only
-                raise StartError(("tracing", "path"), f"cannot open {e.filename or config.tracing.path}: "
-                                                      f"{e.strerror or e}") from None
+            except OSError as e:
+                if config.tracing.exporter == "jsonl":  # e.g. its folder does not exist, or is read-only
+                    raise StartError(("tracing", "path"), f"cannot open {e.filename or config.tracing.path}: "
+                                                          f"{e.strerror or e}") from None
+                # the OTLP exporter's files are named by OTEL_EXPORTER_OTLP_* variables only
+                raise StartError(("tracing", "exporter"), f"cannot open {e.filename}: {e.strerror or e} (a file "
+                                 "named by an OTEL_EXPORTER_OTLP_* variable)") from None
+            except ValueError as e:  # e.g. an OTEL_EXPORTER_OTLP_*ENDPOINT that is not a URL
+                raise StartError(("tracing", "exporter"), f"cannot set up the OTLP exporter: {e} (from the "
+                                 "OTEL_EXPORTER_OTLP_* variables)") from None
         self.telemetry = telemetry
         if telemetry is not None and telemetry.queue is not None:
             self.metrics.watch_exporter(telemetry.queue)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import os
 import subprocess
 import sys
 import time
@@ -12,9 +13,9 @@ import pytest
 from harness import ROOT, ProxyProcess, ThriftServer, client, config_text, free_port, listening
 
 
-def _cli(*args, cwd=ROOT):
+def _cli(*args, cwd=ROOT, env=None):
     return subprocess.run([sys.executable, "-m", "proxy", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=60)
+                          cwd=cwd, timeout=60, env=None if env is None else {**os.environ, **env})
 
 
 def test_check_config_valid_exits_0_with_summary():
@@ -64,18 +65,25 @@ def test_run_listen_port_in_use_exits_2_with_file_line_error(tmp_path):
         f"{cfg}:3: listeners[0].listen: cannot listen on 127.0.0.1:{port}: address already in use"), r.stderr
 
 
-@pytest.mark.parametrize("extra,line,expected", [
-    ("    tls: {ca: nope.pem}\n", 8, "clusters[0].tls.ca: cannot use {dir}/nope.pem: No such file or directory"),
-    ("tracing: {exporter: jsonl, path: /nonexistent/dir/s.jsonl}\n", 8,
+@pytest.mark.parametrize("extra,env,line,expected", [
+    ("    tls: {ca: nope.pem}\n", {}, 8, "clusters[0].tls.ca: cannot use {dir}/nope.pem: No such file or directory"),
+    ("tracing: {exporter: jsonl, path: /nonexistent/dir/s.jsonl}\n", {}, 8,
      "tracing.path: cannot open /nonexistent/dir/s.jsonl: No such file or directory"),
-], ids=["tls_ca_missing", "span_file_folder_missing"])
-def test_run_with_a_file_it_cannot_use_exits_2_with_file_line_error(tmp_path, extra, line, expected):
+    ("tracing: {exporter: otlp, endpoint: 'https://127.0.0.1:4317'}\n",
+     {"OTEL_EXPORTER_OTLP_CERTIFICATE": "/nonexistent/ca.pem"}, 8,
+     "tracing.exporter: cannot open /nonexistent/ca.pem: No such file or directory (a file named by an "
+     "OTEL_EXPORTER_OTLP_* variable)"),
+    ("tracing: {exporter: otlp, otlp_protocol: http}\n", {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://[bad"}, 8,
+     "tracing.exporter: cannot set up the OTLP exporter: Invalid IPv6 URL (from the OTEL_EXPORTER_OTLP_* variables)"),
+], ids=["tls_ca_missing", "span_file_folder_missing", "otlp_env_certificate_missing", "otlp_env_endpoint_bad"])
+def test_run_with_a_file_it_cannot_use_exits_2_with_file_line_error(tmp_path, extra, env, line, expected):
     """check-config passes (the file is valid); `run` cannot start with it: one line said like a
-    config error, exit 2, no traceback (before: a traceback and exit 1)."""
+    config error, exit 2, no traceback (before: a traceback and exit 1; an OTLP certificate named by
+    the environment was blamed on tracing.path)."""
     cfg = tmp_path / "c.yaml"
     cfg.write_text("listeners:\n  - name: a\n    listen: 127.0.0.1:0\n    routes: [{cluster: c}]\n"
                    "clusters:\n  - name: c\n    endpoints: [127.0.0.1:2]\n" + extra)
-    r = _cli("run", "-c", str(cfg))
+    r = _cli("run", "-c", str(cfg), env=env)
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1] == f"{cfg}:{line}: " + expected.format(dir=tmp_path), r.stderr

@@ -380,3 +380,10 @@ def test_parse_address_rejects(text, zero, message):
 ])
 def test_address_loopback(address, loopback):
     assert parse_address(address).is_loopback is loopback
+
+
+def test_yaml_nested_past_the_parsers_recursion_is_a_config_error():
+    text = "listeners: " + "[" * 20_000 + "]" * 20_000 + "\n"
+    with pytest.raises(ConfigError) as info:
+        loads(text, "deep.yaml")
+    assert info.value.errors == ["deep.yaml:1: (root): invalid YAML: nested too deeply"]
