@@ -25,6 +25,7 @@ waited for).
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import logging
 import os
@@ -406,7 +407,7 @@ class Server:
                             slot.server = await self._bind(slot.lc, slot.state, start_serving=False)
                         except OSError as e:
                             i = next(i for i, lc in enumerate(config.listeners) if lc is slot.lc)
-                            raise ListenError.of_listener(i, slot.lc, e) from None
+                            raise self._listen_error(i, slot.lc, e) from None
                         slot.fresh_server = True
             except Exception as e:  # e.g. unreadable TLS files, a bad IDL, a port in use
                 for slot in slots:
@@ -472,6 +473,20 @@ class Server:
             log.info("reloaded %s: %d listener(s), %d cluster(s) (%d rebuilt)", self.path or "config",
                      len(config.listeners), len(config.clusters), len(fresh))
             return True
+
+    def _listen_error(self, i: int, lc: cfgmod.Listener, error: OSError) -> ListenError:
+        """A reload's listener `i` cannot bind; said with the reason when the port is the running
+        config's own (a listener moved to another host on the same port: the old socket is
+        closed only once the new one is bound)."""
+        e = ListenError.of_listener(i, lc, error)
+        if error.errno == errno.EADDRINUSE:
+            for name, old in self._listen_cfg.items():
+                if old.listen.port == lc.listen.port and old.listen != lc.listen:
+                    e.message += (f" (by this proxy's listener {name} on {old.listen.host}:{old.listen.port}: a "
+                                  "reload cannot move a listener to another host on the same port; restart, "
+                                  "or move it in two reloads through another port)")
+                    break
+        return e
 
     def _plan_listeners(self, config: cfgmod.Config) -> list[_Slot]:
         """Each listener of `config` with its pipeline, and the socket and state it goes on with:

@@ -230,7 +230,8 @@ def test_reload_rebuilding_a_cluster_replaces_its_health_checker():
 
 def test_reload_moving_a_listener_to_a_port_in_use_keeps_the_old_one(caplog):
     """...and says why as `run` would at start: the key path and the reason (FILE:LINE in a
-    process that has a config file; `<config>:1` here)."""
+    process that has a config file; `<config>:1` here), naming this proxy's own listener when
+    that is what holds the port."""
     up = ThriftServer()
     port, busy_port = free_ports(2)
     with socket.socket() as busy:
@@ -245,7 +246,13 @@ def test_reload_moving_a_listener_to_a_port_in_use_keeps_the_old_one(caplog):
                 tls = _one_listener("test", port, up.address, "\n    tls: {ca: /nonexistent/ca.pem}")
                 assert not _apply(p, tls)
                 assert "reload rejected: <config>:1: clusters[0].tls.ca: cannot use /nonexistent/ca.pem" in caplog.text
-                assert p.server.reloads == {"ok": 0, "failed": 2}
+                # another host on the same port: the running listener's own socket is in the way
+                moved = _one_listener("test", port, up.address).replace(f"127.0.0.1:{port}", f"0.0.0.0:{port}")
+                assert not _apply(p, moved)
+                assert (f"cannot listen on 0.0.0.0:{port}: address already in use (by this proxy's listener "
+                        f"test on 127.0.0.1:{port}: a reload cannot move a listener to another host on the "
+                        "same port; restart, or move it in two reloads through another port)") in caplog.text
+                assert p.server.reloads == {"ok": 0, "failed": 3}
                 assert p.server.config.listeners[0].listen.port == port  # the old config goes on
                 assert kept.lookup("k") == "upstream:k"
                 with client(port) as c:
