@@ -773,6 +773,7 @@ def _read_yaml(text: str) -> tuple[Any, dict[Loc, int], list[tuple[Loc, str]]]:
         root = loader.get_single_node()
         if root is None:
             return None, {}, []
+        _keys_as_text(root)
         problems = _duplicate_keys(loader, root)
         data = loader.construct_document(root)  # also applies `<<` merges to the node tree
         lines: dict[Loc, int] = {}
@@ -802,6 +803,30 @@ def _record_lines(loader: yaml.SafeLoader, node: yaml.Node, loc: Loc,
         for i, item in enumerate(node.value):
             _record_lines(loader, item, loc + (i,), lines, walking)
     walking.discard(id(node))
+
+
+_TEXT = "tag:yaml.org,2002:str"
+
+
+def _keys_as_text(root: yaml.Node) -> None:
+    """Every plain mapping key is text, as written: YAML 1.1 reads `on`, `no` or `~` as a boolean
+    or null, which no config key is (and a header may be named so); `on: 1` is then an unknown
+    key `on`, with suggestions, not "Keys should be strings" at a key path it cannot name."""
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                if (isinstance(key_node, yaml.ScalarNode) and key_node.style is None
+                        and key_node.tag != "tag:yaml.org,2002:merge"):
+                    key_node.tag = _TEXT
+                stack.append(value_node)
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
 
 
 def _duplicate_keys(loader: yaml.SafeLoader, root: yaml.Node) -> list[tuple[Loc, str]]:
