@@ -236,8 +236,12 @@ class Pool:
             self.idle.remove(conn)
         except ValueError:
             pass
-        # A slot freed: a waiter counting on a release may now open a connection.
-        if self.waiters and self.open < self.settings.max_connections:
+        self._offer_slots()
+
+    def _offer_slots(self) -> None:
+        """A slot freed (a connection closed, a connect failed): waiters counting on a release
+        may now open a connection."""
+        if self.waiters and self.open < self.settings.max_connections and not self.closed:
             for w in list(self.waiters):
                 if self.open >= self.settings.max_connections:
                     break
@@ -262,29 +266,23 @@ class Pool:
         s = self.settings
         try:
             conn = await self._open(s)
-        except (OSError, ssl_mod.SSLError) as e:  # TimeoutError is an OSError too
+        except asyncio.CancelledError:  # the loop is going away: says nothing about the endpoint
             self.connecting -= 1
             self.open -= 1
-            self.stats["connect_failures"] += 1
-            timeout = isinstance(e, TimeoutError) and e.errno is None  # our deadline (else the kernel's)
-            reason = (f"timed out after {s.connect_timeout * 1000:.0f}ms" if timeout
-                      else f"failed: {describe_connect_error(e, self.ssl is not None)}")
-            self.warnings.warn(log, reason, "connect to %s %s", self.label, reason)
-            if self.on_connect_end is not None:
-                # before the waiter hears of it: a failure may open the breaker, and a retry
-                # then picks another endpoint
-                self.on_connect_end(False)
-            w = made.owner
-            if w is not None:
-                w.connect = None
-                w.fire(None, UpstreamError(f"connect to {self.label} {reason}", written=False, timeout=timeout,
-                                           endpoint_fault=self.on_connect_end is None))
-            return
-        except BaseException:  # cancelled (the loop is going away): says nothing about the endpoint
-            self.connecting -= 1
             if self.on_connect_end is not None:
                 self.on_connect_end(None)
             raise
+        except Exception as e:  # OSError (TimeoutError too), SSLError, UnicodeError (a host IDNA refuses)
+            timeout = isinstance(e, TimeoutError) and e.errno is None  # our deadline (else the kernel's)
+            self._connect_failed(made, f"timed out after {s.connect_timeout * 1000:.0f}ms" if timeout
+                                 else f"failed: {describe_connect_error(e, self.ssl is not None)}", timeout)
+            return
+        if conn.closed:
+            # Closed before it was ours to count (`owned`): the upstream sent bytes unasked, or
+            # reset it, while the connect task had yet to resume. Never handed out as a connection.
+            self._connect_failed(made, "failed: the upstream closed the new connection before any "
+                                       "request (it sent bytes unasked, or reset it)", False)
+            return
         self.connecting -= 1
         if self.on_connect_end is not None:
             self.on_connect_end(True)
@@ -294,6 +292,23 @@ class Pool:
         if not self._serve(conn, made):
             # Nobody waits (its caller gave up, or was served sooner): keep it for the next one.
             self.release(conn)
+
+    def _connect_failed(self, made: Connect, reason: str, timeout: bool) -> None:
+        """A connect ended without a connection: counted, logged (throttled), told to the owner
+        (and first to the endpoint's hooks: a failure may open the breaker, and a retry then
+        picks another endpoint); its slot goes to a waiter counting on a release."""
+        self.connecting -= 1
+        self.open -= 1
+        self.stats["connect_failures"] += 1
+        self.warnings.warn(log, reason, "connect to %s %s", self.label, reason)
+        if self.on_connect_end is not None:
+            self.on_connect_end(False)
+        w = made.owner
+        if w is not None:
+            w.connect = None
+            w.fire(None, UpstreamError(f"connect to {self.label} {reason}", written=False, timeout=timeout,
+                                       endpoint_fault=self.on_connect_end is None))
+        self._offer_slots()
 
     async def _open(self, s: PoolSettings) -> UpstreamConnection:
         """Connect (and TLS handshake) within `connect_timeout` of the loop's own time.
@@ -335,7 +350,8 @@ class Pool:
         w.timer = None
         w.fire(None, UpstreamError(
             f"no connection to {self.label} within acquire_timeout "
-            f"{self.settings.acquire_timeout * 1000:.0f}ms ({self.settings.max_connections} busy)",
+            f"{self.settings.acquire_timeout * 1000:.0f}ms ({self._busy()} busy, {self.connecting} connecting, "
+            f"max_connections {self.settings.max_connections})",
             written=False, timeout=True, endpoint_fault=False))
 
     def _evict(self) -> None:
@@ -375,8 +391,11 @@ class Pool:
             self.waiters.popleft().fire(None, UpstreamError(f"pool for {self.label} closed", written=False,
                                                             endpoint_fault=False))
 
+    def _busy(self) -> int:
+        return self.open - self.connecting - len(self.idle)
+
     def snapshot(self) -> dict:
         return {"endpoint": self.label, "framing": self.framing.value, "protocol": self.protocol.value,
                 "open": self.open, "idle": len(self.idle), "connecting": self.connecting,
-                "busy": self.open - self.connecting - len(self.idle), "waiting": len(self.waiters),
+                "busy": self._busy(), "waiting": len(self.waiters),
                 **self.stats}

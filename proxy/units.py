@@ -41,7 +41,9 @@ _SIZE_SCALE = {
 _SIZE = re.compile(rf"({_NUMBER})\s*(B|KB|MB|GB|KiB|MiB|GiB)?")
 _BINARY_UNITS = (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
 
-_HOSTNAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?")
+# dot-separated labels of 1-63 characters (no empty label: `a..b` cannot be encoded for a lookup)
+_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+_HOSTNAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
 
 
 def parse_duration(value: object) -> float:
@@ -159,7 +161,7 @@ def parse_address(value: object, *, allow_port_zero: bool = False) -> Address:
             raise ValueError(ADDRESS_RULE)
         if ":" in host:
             raise ValueError("write IPv6 addresses in brackets, like [::1]:9090")
-        if not _HOSTNAME.fullmatch(host):
+        if not _HOSTNAME.fullmatch(host) or len(host) > 253:
             raise ValueError(f"'{host}' is not a host name or IP address")
     low = 0 if allow_port_zero else 1
     if not (port_text.isascii() and port_text.isdigit()) or not low <= int(port_text) <= 65535:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import time
 
 import pytest
@@ -182,3 +183,84 @@ def test_connect_failures_held_back_are_counted_when_no_more_will_come(caplog, t
     assert lines == [f"connect to 127.0.0.1:{port} failed: Connection refused",
                      f"connect to 127.0.0.1:{port} failed: Connection refused: 3 more times since the "
                      f"last such line, {when}"], lines
+
+
+def test_a_connection_closed_before_the_connect_resumed_is_a_failed_connect():
+    """An upstream that writes at once (a banner, another protocol on that port): the proxy
+    closes a connection that talks unasked. When that happens before the pool's connect task
+    resumes (the loop busy), the connection was handed to the waiter closed, answered "may have
+    run" though nothing was written, and counted in `open` for good (every slot leaked, every call
+    then waited out acquire_timeout). Now: a failed connect, "not sent", the slot freed."""
+    with socket.socket() as ls:
+        ls.bind(("127.0.0.1", 0))
+        ls.listen(8)
+        port = ls.getsockname()[1]
+
+        def serve():
+            c, _ = ls.accept()
+            with c:
+                c.sendall(b"220 hello\r\n")
+                time.sleep(1)
+
+        server = threading.Thread(target=serve, daemon=True)
+        server.start()
+
+        async def main():
+            loop = asyncio.get_running_loop()
+            pool = Pool(loop, "127.0.0.1", port, Framing.FRAMED, Protocol.BINARY,
+                        PoolSettings(max_connections=1, connect_timeout=2.0))
+            got = loop.create_future()
+            pool.acquire(lambda conn, err: got.set_result((conn, err)))
+            loop.call_soon(time.sleep, 0.3)  # the loop busy: the banner is read before the task resumes
+            conn, err = await got
+            snap = pool.snapshot()
+            pool.close()
+            return conn, err, snap
+
+        conn, err, snap = uvloop.run(main())
+        server.join(3)
+    assert conn is None and err is not None and not err.written, (conn, err)
+    assert err.message == (f"connect to 127.0.0.1:{port} failed: the upstream closed the new connection "
+                           "before any request (it sent bytes unasked, or reset it)"), err.message
+    assert (snap["open"], snap["busy"], snap["connect_failures"]) == (0, 0, 1), snap
+
+
+def test_a_failed_connect_frees_its_slot_for_a_call_waiting_for_a_release():
+    """max_connections 1: the first call's connect hangs and times out (400 ms); the second call,
+    waiting for a connection to come free, gets the freed slot's connect at once, not an
+    acquire_timeout error naming a busy connection that does not exist."""
+
+    async def body(pool, blocked, record, log):
+        pool.acquire(record("first"))
+        await asyncio.sleep(0.05)
+        pool.acquire(record("second"))   # the pool is full: it waits for a release
+        await asyncio.sleep(0.1)
+        blocked.open_up()                # the next connect gets through
+        await _until(lambda: len(log) == 2, within=3.0)
+        return log
+
+    log = _run(body, max_connections=1, connect_timeout=0.4, acquire_timeout=2.0)
+    (first, second) = log
+    assert first[0] == "first" and first[2] is not None and first[2].message.endswith("timed out after 400ms")
+    assert second[0] == "second" and second[2] is None and second[1] is not None, second
+    assert second[3] < 1.5, second  # not acquire_timeout (2 s)
+
+
+def test_a_host_the_resolver_cannot_encode_fails_the_connect():
+    """A host IDNA cannot encode (`create_connection` raises UnicodeError, neither OSError nor
+    SSLError) was taken for a cancellation: the waiter never answered, the slot leaked. (Config
+    refuses such names now; a resolver or discovery could still hand one over.)"""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        pool = Pool(loop, "a" * 64 + ".local", 9, Framing.FRAMED, Protocol.BINARY, PoolSettings())
+        got = loop.create_future()
+        pool.acquire(lambda conn, err: got.set_result((conn, err)))
+        conn, err = await asyncio.wait_for(got, 5)
+        snap = pool.snapshot()
+        pool.close()
+        return conn, err, snap
+
+    conn, err, snap = uvloop.run(main())
+    assert conn is None and err is not None and not err.written and "failed: " in err.message, err
+    assert (snap["open"], snap["connect_failures"]) == (0, 1), snap
