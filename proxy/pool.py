@@ -226,6 +226,7 @@ class Pool:
         elif heir is not None:
             heir.connect = None
             self._wait_for_release(heir)
+            self._offer_slots()  # (a slot may be free for it after all: a connect, not a wait)
         w.fire(conn, None)
         return True
 
