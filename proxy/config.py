@@ -278,19 +278,21 @@ def _idempotent(value: object) -> object:
     if isinstance(value, list) and all(isinstance(v, str) and v for v in value):
         for i, v in enumerate(value):
             if ":" in v:
-                raise _At(i, f"a method glob without the service: '{v}' never matches (methods are "
-                             f"matched without their multiplexed 'Svc:' prefix); write "
-                             f"'{v.rsplit(':', 1)[1]}'")
+                raise _At(i, _with_service("a method glob", v, f"'{v.rpartition(':')[2]}'"))
         return tuple(value)
     raise ValueError("must be true, false or a list of method globs")
+
+
+def _with_service(what: str, value: str, fix: str) -> str:
+    """A method glob written with its multiplexed `Svc:` prefix: what to write instead."""
+    return (f"{what} without the service: '{value}' never matches (methods are matched without their "
+            f"multiplexed 'Svc:' prefix); write {fix}")
 
 
 def _method_glob(value: str) -> str:
     if ":" in value:
         svc, _, method = value.rpartition(":")
-        raise ValueError(f"a method name or glob without the service: '{value}' never matches (methods "
-                         f"are matched without their multiplexed 'Svc:' prefix); write service: {svc} "
-                         f"and method: {method}")
+        raise ValueError(_with_service("a method name or glob", value, f"service: {svc} and method: {method}"))
     return value
 
 

@@ -12,18 +12,19 @@ from typing import Callable, Hashable
 class Throttle:
     """Repeated log lines, thinned: per key, the first line goes out at once, then at most one
     per `every` seconds, and the line let through says how many were held back since the last
-    one (the count of a burst shows with the next line of its kind, if one comes; `held` takes it
-    when no line will come). A pure policy
+    one (the count of a burst shows with the next line of its kind, if one comes; `held` takes it,
+    or `say_held` says it in that line's words, when no line will come). A pure policy
     object: `clock()` gives seconds (proxy.clock). Its keys are the caller's kinds of line (a
     pool's failure reasons: a few; it forgets none)."""
 
-    __slots__ = ("every", "clock", "_last", "_held")
+    __slots__ = ("every", "clock", "_last", "_held", "_words")
 
     def __init__(self, every: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.every = every
         self.clock = clock
         self._last: dict[Hashable, float] = {}
         self._held: dict[Hashable, int] = {}
+        self._words: dict[Hashable, tuple[str, tuple]] = {}  # each key's last line (warn)
 
     def admit(self, key: Hashable) -> int | None:
         """None: hold this line back; else let it out, with the count held back before it."""
@@ -40,12 +41,19 @@ class Throttle:
         for a last word when the lines stop coming, e.g. at shutdown."""
         return self._held.pop(key, 0)
 
-    def holding(self) -> list[Hashable]:
-        """The keys with lines held back (for `held`)."""
-        return list(self._held)
+    def say_held(self, logger: logging.Logger, when: str,
+                 which: Callable[[Hashable], bool] = lambda key: True) -> None:
+        """For each key `which` accepts with lines held back (by `warn`): say their count now, in
+        the words of its last line, `when` telling why no next line of its kind will carry it."""
+        for key in [k for k in self._held if which(k) and k in self._words]:
+            n = self._held.pop(key)
+            msg, args = self._words[key]
+            logger.warning(msg + ": %d more time%s since the last such line, %s", *args, n,
+                           "" if n == 1 else "s", when)
 
     def warn(self, logger: logging.Logger, key: Hashable, msg: str, *args) -> None:
         """`logger.warning(msg, *args)`, if `key`'s line may go out now (`admit`)."""
+        self._words[key] = (msg, args)
         held = self.admit(key)
         if held is None:
             return

@@ -288,7 +288,8 @@ class Pool:
         if self.on_connect_end is not None:
             self.on_connect_end(True)
         self.stats["connects"] += 1
-        self._say_held(str, "before a connect succeeded")
+        # (the connect failures' lines: keyed by their reason, a str; TLS refusals by a tuple)
+        self.warnings.say_held(log, "before a connect succeeded", lambda key: isinstance(key, str))
         conn.owned = True
         if not self._serve(conn, made):
             # Nobody waits (its caller gave up, or was served sooner): keep it for the next one.
@@ -368,21 +369,10 @@ class Pool:
             delay = max(idle[0].idle_since - limit, 0.05)
             self._sweep = self.loop.call_later(delay, self._evict)
 
-    def _say_held(self, kind: type, when: str) -> None:
-        """The count of the warnings of `kind` (str: connect failures; tuple: TLS refusals)
-        held back since their last line, said now: no line of theirs may come again."""
-        for key in self.warnings.holding():
-            if isinstance(key, kind):
-                n = self.warnings.held(key)
-                what = (f"connect to {self.label} {key}" if isinstance(key, str)
-                        else f"upstream {self.label} refused the proxy's TLS connection: {key[1]}")
-                log.warning("%s: %d more time%s since the last such line, %s", what, n,
-                            "" if n == 1 else "s", when)
-
     def close(self) -> None:
         """Close idle connections now; busy ones close when their exchange ends."""
         self.closed = True
-        self._say_held(object, "before its pool closed")
+        self.warnings.say_held(log, "before its pool closed")
         if self._sweep is not None:
             self._sweep.cancel()
         for conn in list(self.idle):

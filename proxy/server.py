@@ -90,15 +90,15 @@ def _tls_start_error(config: cfgmod.Config, e: TlsError) -> StartError:
 class ListenError(StartError):
     """A configured address cannot be listened on at startup."""
 
-    def __init__(self, loc: tuple, host: str, port: int, error: OSError) -> None:
+    def __init__(self, loc: tuple, host: str, port: int, error: OSError, why_more: str = "") -> None:
         # (a gaierror's errno is negative: its strerror says it, os.strerror does not)
         why = os.strerror(error.errno) if error.errno and error.errno > 0 else (error.strerror or str(error))
-        super().__init__(loc, f"cannot listen on {host}:{port}: {why[:1].lower()}{why[1:]}")
+        super().__init__(loc, f"cannot listen on {host}:{port}: {why[:1].lower()}{why[1:]}{why_more}")
 
     @classmethod
-    def of_listener(cls, i: int, lc: cfgmod.Listener, error: OSError) -> ListenError:
+    def of_listener(cls, i: int, lc: cfgmod.Listener, error: OSError, why_more: str = "") -> ListenError:
         """Listener `i` (`lc`, of the config) cannot listen on its address."""
-        return cls(("listeners", i, "listen"), lc.listen.host, lc.listen.port, error)
+        return cls(("listeners", i, "listen"), lc.listen.host, lc.listen.port, error, why_more)
 
 
 class _Slot:
@@ -478,15 +478,14 @@ class Server:
         """A reload's listener `i` cannot bind; said with the reason when the port is the running
         config's own (a listener moved to another host on the same port: the old socket is
         closed only once the new one is bound)."""
-        e = ListenError.of_listener(i, lc, error)
         if error.errno == errno.EADDRINUSE:
             for name, old in self._listen_cfg.items():
                 if old.listen.port == lc.listen.port and old.listen != lc.listen:
-                    e.message += (f" (by this proxy's listener {name} on {old.listen.host}:{old.listen.port}: a "
-                                  "reload cannot move a listener to another host on the same port; restart, "
-                                  "or move it in two reloads through another port)")
-                    break
-        return e
+                    return ListenError.of_listener(
+                        i, lc, error, f" (by this proxy's listener {name} on {old.listen.host}:{old.listen.port}: "
+                                      "a reload cannot move a listener to another host on the same port; "
+                                      "restart, or move it in two reloads through another port)")
+        return ListenError.of_listener(i, lc, error)
 
     def _plan_listeners(self, config: cfgmod.Config) -> list[_Slot]:
         """Each listener of `config` with its pipeline, and the socket and state it goes on with:

@@ -167,12 +167,9 @@ def test_reload_rebuilding_a_cluster_while_its_discovery_fails_keeps_the_last_go
 
     path = tmp_path / "endpoints.yaml"
     path.write_text(f"- address: 127.0.0.1:{up.port}\n")
-    def text(connect_timeout: str) -> str:
-        refresh = "200ms" if source == "dns-refresh" and connect_timeout != "250ms" else "100ms"
+    def text(connect_timeout: str, refresh: str = "100ms") -> str:
         endpoints = (f"{{dns: {{name: 'users.svc:{up.port}', refresh: {refresh}}}}}" if source != "file"
                      else f"{{file: '{path}'}}")
-        if source == "dns-refresh":
-            connect_timeout = "250ms"
         return f"""
 listeners:
   - name: test
@@ -194,7 +191,8 @@ clusters:
                 path.write_text("- address: [half-writ")
             time.sleep(0.6)  # (a refresh or the file watch has failed by now)
             assert c.lookup("b") == "upstream:b"  # the last good set, kept
-            assert _apply(p, text("300ms"))  # the cluster is rebuilt
+            # the cluster is rebuilt
+            assert _apply(p, text("250ms", refresh="200ms") if source == "dns-refresh" else text("300ms"))
             assert c.lookup("c") == "upstream:c"
             assert p.call(lambda: len(p.server.clusters["up"].endpoints)) == 1
     finally:
