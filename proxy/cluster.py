@@ -41,7 +41,8 @@ def _connect_hooks(endpoint: Endpoint):
     least_request and peak_ewma weigh: a connect that hangs, to a blackholed address, must not
     look idle), and one that failed is the endpoint's failure, counted by its breaker here and
     only here, whether or not the call that wanted it still waits (a per-try or route timeout
-    shorter than connect_timeout gives up first, blaming nobody)."""
+    shorter than connect_timeout gives up first, blaming nobody). So is a connection whose TLS
+    the server refused after oneways went out on it (`refused`): no call is there to be told."""
     def start() -> None:
         endpoint.outstanding += 1
 
@@ -50,7 +51,11 @@ def _connect_hooks(endpoint: Endpoint):
         if ok is False and endpoint.breaker is not None:
             endpoint.breaker.record(False, False)
 
-    return start, end
+    def refused() -> None:  # (a connection whose TLS the server refused: a connect that failed, late)
+        if endpoint.breaker is not None:
+            endpoint.breaker.record(False, False)
+
+    return start, end, refused
 
 
 class Cluster:
@@ -136,7 +141,7 @@ class Cluster:
             pool = endpoint.pools[key] = Pool(
                 self.loop, endpoint.host, endpoint.port, framing, protocol, self.pool_settings,
                 ssl=self.ssl, server_hostname=self.server_name or endpoint.host)
-            pool.on_connect_start, pool.on_connect_end = _connect_hooks(endpoint)
+            pool.on_connect_start, pool.on_connect_end, pool.on_refused = _connect_hooks(endpoint)
         return pool
 
     def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:

@@ -145,7 +145,9 @@ class Pool:
         # connect is counted against the endpoint (its errors to waiters say endpoint_fault=False).
         self.on_connect_start: Callable[[], None] | None = None
         self.on_connect_end: Callable[[bool | None], None] | None = None  # ok; None: cancelled
+        self.on_refused: Callable[[], None] | None = None  # a connection refused after oneways went out on it
         self.stats = {"connects": 0, "connect_failures": 0, "acquire_timeouts": 0, "evicted": 0,
+                      "oneways_refused": 0,  # oneways written on a connection the upstream's TLS then refused
                       # large messages passed by splice(2) (proxy.splice), or not (no fd or pipe to be had)
                       "spliced_replies": 0, "spliced_requests": 0, "spliced_bytes": 0, "splice_failures": 0}
 
@@ -238,6 +240,17 @@ class Pool:
         except ValueError:
             pass
         self._offer_slots()
+
+    def oneways_refused(self, alert: str, n: int) -> None:
+        """A connection's TLS 1.3 server refused the proxy (its certificate) before any reply,
+        after `n` oneway calls were written on it: they never reached the service, and nobody
+        waits to be told. Logged, counted, and the endpoint's failure, as a failed connect is."""
+        self.stats["oneways_refused"] += n
+        self.warnings.warn(log, ("refused oneways", alert),
+                           "upstream %s refused the proxy's TLS connection (%s): %d oneway call(s) written on it "
+                           "never reached the service", self.label, alert, n)
+        if self.on_refused is not None:
+            self.on_refused()
 
     def _offer_slots(self) -> None:
         """A slot freed (a connection closed, a connect failed): waiters counting on a release

@@ -86,7 +86,7 @@ _REFUSALS = frozenset({
 def refusal(exc: BaseException | None) -> str | None:
     """The alert, as text ("tlsv13 alert certificate required"), when `exc` is a server refusing
     the proxy's TLS credentials; None for anything else. (The caller trusts it only on a TLS 1.3
-    connection's first exchange, before any reply byte: with renegotiation off, nowhere else can
+    connection before its first reply byte: with renegotiation off, nowhere else can
     such an alert mean the service never saw the request.)"""
     if isinstance(exc, ssl.SSLError) and exc.reason in _REFUSALS:
         return exc.reason.lower().replace("_", " ")

@@ -174,7 +174,7 @@ class UpstreamConnection(asyncio.Protocol):
     __slots__ = ("pool", "transport", "decoder", "exchange_", "idle_since", "closed", "label", "framing",
                  "protocol", "max_reply_size", "stream_threshold", "_probe", "_stream_left", "_may_stream", "_tail",
                  "paused", "upload", "owned", "_splice", "_write_full", "_held_oneway", "fd", "_sent_poll",
-                 "turn", "turn_since", "tls13")
+                 "turn", "turn_since", "tls13", "replied", "oneways")
 
     def __init__(self, pool, framing: Framing, protocol: Protocol, max_reply_size: int,
                  stream_threshold: int = 0) -> None:
@@ -206,6 +206,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.turn: tuple | None = None     # a large reply held unread for its turn: (head, bytes so far)
         self.turn_since = 0                # since when (monotonic ns)
         self.tls13 = False                 # TLS 1.3 (a refusal of our certificate comes after our handshake)
+        self.replied = False               # a reply's first byte came on it (a refusal comes before any)
+        self.oneways = 0                   # oneway calls written on it
 
     # -- asyncio.Protocol -----------------------------------------------------
 
@@ -232,6 +234,7 @@ class UpstreamConnection(asyncio.Protocol):
             return
         if not ex.t_first_reply:
             ex.t_first_reply = monotonic_ns()
+            self.replied = True
             reply = self.decoder.take(data)  # the common case: the whole reply in one read
             if reply is not None:
                 self._replied(ex, reply)
@@ -567,14 +570,17 @@ class UpstreamConnection(asyncio.Protocol):
             if self.owned:  # (a connect cancelled by its deadline just after it completed: the
                 self.pool.forget(self)  # pool's connect path uncounts it, not this)
         self._end_hold()
+        # (TLS 1.3: a refusal of our certificate comes after our side's handshake, before any
+        # reply, whether or not the connection sat idle after a oneway; TLS 1.2 could
+        # renegotiate later: not trusted there)
+        alert = refusal(exc) if exc is not None and self.tls13 and not self.replied else None
+        if alert is not None and self.oneways:
+            self.pool.oneways_refused(alert, self.oneways)  # (nobody waits to be told)
         ex = self.exchange_
         if ex is not None:
             self.exchange_ = None
             self._stream_cut(ex)
-            alert = refusal(exc) if not ex.t_first_reply and not self.idle_since else None
-            if alert is not None and self.tls13:
-                # (TLS 1.3: the refusal comes after our side's handshake, before any reply, on a
-                # connection's first exchange; TLS 1.2 could renegotiate later: not trusted there)
+            if alert is not None:
                 self.pool.warnings.warn(log, ("refused", alert), "upstream %s refused the proxy's TLS connection: %s",
                                         self.label, alert)
                 ex.on_failure(UpstreamError(f"{self.label} refused the TLS connection ({alert}): "
@@ -596,6 +602,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._probe = None
         self.transport.write(data)
         if ex is None:
+            self.oneways += 1
             if self._write_full:
                 self._held_oneway = True
             else:

@@ -20,13 +20,17 @@ import logging
 import random
 import shutil
 import ssl
+import socket
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from thrift.Thrift import TApplicationException
 
-from harness import Proxy, RawUpstream, ThriftServer, client, config_text
+from harness import (Proxy, RawUpstream, ThriftServer, app_exception, client, config_text, read_messages,
+                     request_bytes)
 from proxy import config as cfgmod
 from proxy.codec import Framing, Protocol
 from proxy.health import check_once
@@ -183,6 +187,101 @@ def test_a_refused_tls_connection_is_retried_on_another_endpoint_for_any_method(
     finally:
         strict.stop()
         open_.stop()
+
+
+class HeldRelay:
+    """A TCP relay to `target` that passes the client's bytes after its first read (a TLS
+    ClientHello) `hold` seconds late: a server slow to verify a client certificate (or a long
+    round trip), so the proxy writes on a TLS 1.3 connection well before the server's refusal."""
+
+    def __init__(self, target: tuple[str, int], hold: float) -> None:
+        self.target, self.hold = target, hold
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            s = socket.create_connection(self.target)
+            threading.Thread(target=self._pipe, args=(s, c, 0.0), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(c, s, self.hold), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket, hold: float) -> None:
+        first = True
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                if not first and hold:
+                    time.sleep(hold)
+                    hold = 0.0
+                first = False
+                dst.sendall(data)
+        for x in (src, dst):
+            with contextlib.suppress(OSError):
+                x.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_call_after_a_oneway_on_a_refused_connection_is_not_sent(pki):
+    """A oneway goes out on a new TLS 1.3 connection, which then sits idle; the next call takes it
+    before the server's refusal arrives. Nothing on that connection was answered, so the refusal
+    still means the service saw nothing: "not sent" (retryable whatever the method), not "may
+    have run". Before: only a connection that never sat idle counted as not answered yet."""
+    up = TlsThriftServer(server_ctx(pki, require_client_cert=True), name="mtls-up")
+    relay = HeldRelay(("127.0.0.1", up.port), hold=0.4)
+    try:
+        yaml = tls_yaml(ca=pki / "ca.pem", server_name="users.internal") + "\n    pool: {max_connections: 1}"
+        with Proxy(config_text([f"127.0.0.1:{relay.port}"], extra_cluster=yaml)) as p, \
+                socket.create_connection(("127.0.0.1", p.port())) as s:
+            s.sendall(request_bytes("framed", "binary", "log_event", "o", seqid=1))
+            time.sleep(0.1)  # the oneway's connection goes back to the pool, idle
+            s.sendall(request_bytes("framed", "binary", "incr", "k", seqid=2))
+            (reply,) = read_messages(s, 1, timeout=5)
+        assert up.handler.calls == 0
+    finally:
+        relay.close()
+        up.stop()
+    assert reply.seqid == 2
+    assert app_exception(reply).message == (
+        f"thrift-sidecar: not sent: 127.0.0.1:{relay.port} refused the TLS connection (tlsv13 alert "
+        "certificate required): the request never reached the service")
+
+
+def test_oneways_on_a_refused_connection_are_logged_counted_and_blamed(pki, caplog):
+    """Oneways written on TLS 1.3 connections the server then refuses never reached the service,
+    and no client waits to be told: each refusal is logged, counted (`oneways_refused`) and
+    counted against the endpoint by its breaker, as a failed connect is (each oneway's write
+    counted as a success: half the calls failed). Before: nothing at all; every oneway opened
+    another connection that counted as a successful connect."""
+    up = TlsThriftServer(server_ctx(pki, require_client_cert=True), name="mtls-up")
+    try:
+        yaml = (tls_yaml(ca=pki / "ca.pem", server_name="users.internal")
+                + "\n    circuit_breaker: {failure_rate: 0.5, min_calls: 6, open_for: 30s}")
+        with Proxy(config_text([up.address], extra_cluster=yaml)) as p, client(p.port()) as c:
+            with caplog.at_level(logging.WARNING, logger="proxy"):
+                for i in range(3):
+                    c.log_event(f"e{i}")
+                    time.sleep(0.2)
+                deadline = time.monotonic() + 5
+                while True:
+                    (ep,) = p.call(p.server.snapshot)["clusters"]["up"]["endpoints"]
+                    refused = sum(pool["oneways_refused"] for pool in ep["pools"])
+                    if refused >= 3 or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.05)
+        assert up.handler.calls == 0 and up.handshake_errors
+    finally:
+        up.stop()
+    assert refused == 3
+    assert ep["breaker"] == "open"
+    assert "oneway call(s) written on it never reached the service" in caplog.text
+    assert "tlsv13 alert certificate required" in caplog.text
 
 
 @pytest.mark.parametrize("case,why", [
