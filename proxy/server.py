@@ -316,7 +316,9 @@ class Server:
 
     async def _start_clusters(self, clusters) -> None:
         """First discovery round, then each one's health checker (a replaced cluster's checker,
-        if still running, is closed first: one checker per cluster name)."""
+        if still running, is closed first: one checker per cluster name). A replaced cluster's
+        endpoints that its checks took out stay out until the new checker says otherwise: its
+        first round takes up to its timeout for an endpoint that does not answer."""
         clusters = list(clusters)
         await asyncio.gather(*(c.start() for c in clusters))  # first discovery round
         for c in clusters:
@@ -325,6 +327,11 @@ class Server:
                 old.close()
             hc = self._cluster_cfg[c.name].health_check
             if hc is not None:
+                if old is not None:
+                    out = {ep.key for ep in old.cluster.endpoints if not ep.healthy}
+                    for ep in c.endpoints:
+                        if ep.key in out:
+                            ep.healthy = False
                 checker = self.health[c.name] = HealthChecker(c, hc.method, hc.interval, hc.timeout)
                 checker.start()
 

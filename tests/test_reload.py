@@ -226,6 +226,41 @@ def test_reload_rebuilding_a_cluster_replaces_its_health_checker():
         up.stop()
 
 
+def test_a_rebuilt_cluster_keeps_what_its_health_checks_knew():
+    """A reload that rebuilds a cluster (here: another connect_timeout) starts a new checker,
+    whose first round takes up to its timeout for an endpoint that never answers. Meanwhile the
+    endpoint stays out, as the old checker found it; before, the new cluster took it for healthy
+    and sent it calls until that first round ended (as Envoy keeps a host's health across a
+    cluster update)."""
+    up = ThriftServer()
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel does), never answers
+    dead = "127.0.0.1:%d" % silent.getsockname()[1]
+    port = free_ports(1)[0]
+
+    def text(ct: str) -> str:
+        return _one_listener("test", port, f'"{up.address}", "{dead}"', f"""
+    transport: framed
+    protocol: binary
+    connect_timeout: {ct}
+    health_check: {{interval: 30s, timeout: 2s, method: ping}}""")
+
+    def health() -> dict:
+        return p.call(lambda: {ep.label: ep.healthy for ep in p.server.clusters["up"].endpoints})
+    try:
+        with Proxy(text("250ms")) as p:
+            wait_for(lambda: health() == {up.address: True, dead: False}, timeout=5,
+                     what="the first checker to take the silent endpoint out")
+            old = p.call(lambda: p.server.clusters["up"])
+            assert _apply(p, text("300ms"))
+            assert p.call(lambda: p.server.clusters["up"]) is not old
+            assert health() == {up.address: True, dead: False}  # (the new checker's round is still on)
+            with client(port) as c:
+                assert [c.lookup(f"k{i}") for i in range(6)] == [f"upstream:k{i}" for i in range(6)]
+    finally:
+        silent.close()
+        up.stop()
+
+
 def test_reload_moving_a_listener_to_a_port_in_use_keeps_the_old_one(caplog):
     """...and says why as `run` would at start: the key path and the reason (FILE:LINE in a
     process that has a config file; `<config>:1` here), naming this proxy's own listener when
