@@ -189,26 +189,20 @@ def test_a_refused_tls_connection_is_retried_on_another_endpoint_for_any_method(
         open_.stop()
 
 
-class HeldRelay:
+class HeldRelay(RawUpstream):
     """A TCP relay to `target` that passes the client's bytes after its first read (a TLS
     ClientHello) `hold` seconds late: a server slow to verify a client certificate (or a long
     round trip), so the proxy writes on a TLS 1.3 connection well before the server's refusal."""
 
     def __init__(self, target: tuple[str, int], hold: float) -> None:
         self.target, self.hold = target, hold
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            s = socket.create_connection(self.target)
-            threading.Thread(target=self._pipe, args=(s, c, 0.0), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(c, s, self.hold), daemon=True).start()
+    def _one(self, c: socket.socket) -> None:
+        s = socket.create_connection(self.target)
+        self.conns.append(s)
+        threading.Thread(target=self._pipe, args=(s, c, 0.0), daemon=True).start()
+        self._pipe(c, s, self.hold)
 
     @staticmethod
     def _pipe(src: socket.socket, dst: socket.socket, hold: float) -> None:
@@ -223,9 +217,6 @@ class HeldRelay:
         for x in (src, dst):
             with contextlib.suppress(OSError):
                 x.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def test_a_call_after_a_oneway_on_a_refused_connection_is_not_sent(pki):
