@@ -22,7 +22,9 @@ the error names the key rather than the whole model.
 from __future__ import annotations
 
 import difflib
+import os
 import re
+import stat
 import types
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -59,7 +61,7 @@ __all__ = [
     "Address", "Admin", "Backoff", "CircuitBreaker", "Cluster", "Config", "ConfigError",
     "DnsEndpoints", "Endpoint", "Endpoints", "HeaderMatch", "HealthCheck", "Limits", "Listener",
     "Logging", "Match", "Pool", "Reload", "Retry", "RetryBudget", "Route", "Tls", "Tracing",
-    "WeightedCluster", "load", "loads", "summary",
+    "WeightedCluster", "load", "loads", "special_file", "summary",
 ]
 
 Loc = tuple[str | int, ...]
@@ -154,6 +156,31 @@ def _input_path(value: Path, info: ValidationInfo) -> Path:
     return base / value if base is not None and not value.is_absolute() else value
 
 
+_SPECIAL_FILES = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                  (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def special_file(mode: int) -> str | None:
+    """What a file of this `st_mode` is ("a FIFO", ...) when it is not a regular file; None
+    when it is. The files we read must be regular: opening a FIFO waits for a writer."""
+    if stat.S_ISREG(mode):
+        return None
+    return next((what for test, what in _SPECIAL_FILES if test(mode)), "a special file")
+
+
+def _regular_if_present(value: Path) -> Path:
+    """A file the proxy reads (IDL, TLS, endpoints) that is there must be a regular file: the
+    loop's thread would wait in `open()` on a FIFO. (Missing: an endpoints file may come later;
+    the others are refused when read.)"""
+    try:
+        kind = special_file(os.stat(value).st_mode)
+    except OSError:
+        return value
+    if kind is not None:
+        raise ValueError(f"must be a regular file; {value} is {kind}")
+    return value
+
+
 def _not_empty_list(value: object) -> object:
     # before the items are validated: pydantic's min_length also counts the invalid items out
     if isinstance(value, list) and not value:
@@ -192,7 +219,8 @@ def _url(value: str) -> str:
     return value
 
 
-InputPath = Annotated[Path, BeforeValidator(_path_text), AfterValidator(_input_path)]
+InputPath = Annotated[Path, BeforeValidator(_path_text), AfterValidator(_input_path),
+                      AfterValidator(_regular_if_present)]
 OutputPath = Annotated[Path, BeforeValidator(_path_text)]
 Ratio = Annotated[float, Strict(), AfterValidator(_ratio)]
 Count = Annotated[int, Strict(), Field(ge=0)]

@@ -23,10 +23,26 @@ inode) change at that instant even though nothing was written to the old
 file. Polling needs no platform API and catches edits in place, renames and
 symlink swaps alike; inotify would watch the old inode through a swap.
 
+An endpoints file is opened with O_NONBLOCK and must be a regular file: a FIFO
+would block `open()`, on the loop's thread, until some writer came.
+
 The resolver is injected (`async resolver(host) -> iterable of addresses`);
-the default asks the system (`loop.getaddrinfo`, A and AAAA). The loops are
-lifecycle tasks: `start()` runs the first round (bounded) before the
-listeners open, `close()` cancels.
+the default asks the system (`getaddrinfo`, A and AAAA) on discovery's own
+few threads. A round waits at most `timeout` for its lookup, but a system
+lookup cannot be stopped: it keeps its thread until the resolver answers. So
+a source has at most one lookup in flight (running or queued); while it is,
+rounds are skipped (failed rounds: the last good set stays), and a hung
+resolver holds at most one of discovery's threads per source, never the
+loop's (uvloop's libuv pool lets lookups use 2 of its 4 threads, and every
+connect to a host name needs one of them).
+
+    round:  lookup running? --yes--> fail "previous lookup ... still running"
+               | no
+            start lookup --> wait <= timeout --answer--> apply (or fail: none, error)
+                                  `--timeout--> fail; the lookup runs on, unawaited
+
+The loops are lifecycle tasks: `start()` runs the first round (bounded)
+before the listeners open, `close()` cancels (the lookup too).
 """
 
 from __future__ import annotations
@@ -34,7 +50,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import queue
 import socket
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 from time import monotonic
 from typing import Awaitable, Callable, Iterable
@@ -52,12 +71,49 @@ Spec = tuple[str, int, int]  # host, port, weight
 
 FILE_POLL_INTERVAL = 0.5
 MAX_ENDPOINTS_FILE = 4 * 1024 * 1024  # bytes; a bigger file is refused
+LOOKUP_THREADS = 4  # discovery's own resolver threads, for the whole process
+
+
+class LookupThreads:
+    """A few daemon threads that run blocking lookups, so that hung ones hold these and not
+    the loop's. Daemon: a lookup the resolver never answers must not keep the process from
+    exiting (a ThreadPoolExecutor joins its threads at exit). Threads start as work comes."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.threads: list[threading.Thread] = []
+        self.lock = threading.Lock()  # loops on several threads may submit (tests do)
+
+    def submit(self, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        self.jobs.put((future, fn, args))
+        with self.lock:
+            if len(self.threads) < self.size:
+                thread = threading.Thread(target=self._work, name=f"discovery-lookup-{len(self.threads)}",
+                                          daemon=True)
+                thread.start()
+                self.threads.append(thread)
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args = self.jobs.get()
+            if future.set_running_or_notify_cancel():  # (False: its round gave up while it queued)
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # noqa: BLE001 - the awaiting round reports it
+                    future.set_exception(e)
+
+
+# One pool for the process, as the threads it bounds are the process's.
+_lookups = LookupThreads(LOOKUP_THREADS)
 
 
 async def system_resolver(host: str) -> list[str]:
-    """Every A and AAAA address of `host` (the system resolver, in the loop's thread pool)."""
-    loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host, None, family=socket.AF_UNSPEC, type=socket.SOCK_STREAM)
+    """Every A and AAAA address of `host` (the system resolver, on discovery's own threads)."""
+    infos = await asyncio.wrap_future(
+        _lookups.submit(socket.getaddrinfo, host, None, socket.AF_UNSPEC, socket.SOCK_STREAM))
     return [info[4][0] for info in infos if info[0] in (socket.AF_INET, socket.AF_INET6)]
 
 
@@ -148,18 +204,32 @@ class DnsSource(Source):
         self.port = port
         self.interval = refresh
         self.resolver = resolver or system_resolver
-        # A resolution may take at most this long (a hung resolver must not stall the loop).
+        # A round waits at most this long for its lookup (a hung resolver must not stall it).
         self.timeout = timeout if timeout is not None else min(max(refresh, 1.0), 10.0)
         self.origin = f"dns {host}:{port}"
+        self.lookup: asyncio.Future | None = None  # the resolver's call in flight, or its last
+
+    def close(self) -> None:
+        super().close()
+        if self.lookup is not None:
+            self.lookup.cancel()  # (a system lookup still queued is dropped; a running one ends alone)
 
     async def refresh(self) -> None:
+        if self.lookup is not None and not self.lookup.done():
+            self.fail(self.origin, f"previous lookup of {self.host} still running, "
+                                   f"more than {self.timeout:g}s after it started")
+            return
+        self.lookup = asyncio.ensure_future(self.resolver(self.host))
         try:
             async with asyncio.timeout(self.timeout):
-                addresses = await self.resolver(self.host)
+                # shield: a timeout leaves the lookup running (a thread cannot be stopped),
+                # for the next round to see
+                addresses = await asyncio.shield(self.lookup)
             addresses = {str(a) for a in addresses}
         except asyncio.CancelledError:
             raise
         except TimeoutError:
+            self.lookup.add_done_callback(_dropped)
             self.fail(self.origin, f"resolution timed out after {self.timeout:g}s")
             return
         except Exception as e:  # noqa: BLE001 - any resolver failure keeps the last good set
@@ -222,6 +292,20 @@ def parse_endpoints_file(text: str) -> list[Spec]:
     return out
 
 
+def read_endpoints_file(path: Path) -> bytes:
+    """The bytes of the regular file at `path`; raises OSError or ValueError. Opened with
+    O_NONBLOCK so that a FIFO (or a device) is refused instead of blocking the caller, the
+    loop, in `open()` until a writer comes."""
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+        kind = cfgmod.special_file(os.fstat(f.fileno()).st_mode)
+        if kind is not None:
+            raise ValueError(f"not a regular file ({kind})")
+        raw = f.read(MAX_ENDPOINTS_FILE + 1)
+    if len(raw) > MAX_ENDPOINTS_FILE:
+        raise ValueError(f"larger than {MAX_ENDPOINTS_FILE} bytes")
+    return raw
+
+
 class FileSource(Source):
     kind = "file"
 
@@ -239,11 +323,7 @@ class FileSource(Source):
             self.fail(self.origin, "missing or unreadable")
             return
         try:
-            with open(self.path, "rb") as f:
-                raw = f.read(MAX_ENDPOINTS_FILE + 1)
-            if len(raw) > MAX_ENDPOINTS_FILE:
-                raise ValueError(f"larger than {MAX_ENDPOINTS_FILE} bytes")
-            specs = parse_endpoints_file(raw.decode("utf-8"))
+            specs = parse_endpoints_file(read_endpoints_file(self.path).decode("utf-8"))
         except OSError as e:
             self.fail(self.origin, e.strerror or str(e))
             return
@@ -267,6 +347,12 @@ def make_source(cluster, endpoints: cfgmod.Endpoints, resolver: Resolver | None 
     if endpoints.file is not None:
         return FileSource(cluster, endpoints.file)
     return None
+
+
+def _dropped(lookup: asyncio.Future) -> None:
+    """A lookup its round gave up on: its late answer is not used, nor its error said."""
+    if not lookup.cancelled():
+        lookup.exception()
 
 
 def _labels(keys) -> str:

@@ -7,6 +7,7 @@ Each file in tests/configs/bad/ states the errors it must produce in `# expect:`
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -169,6 +170,30 @@ def test_relative_input_paths_resolve_against_the_config_folder(tmp_path):
     cfg = load(conf)
     assert cfg.clusters[0].endpoints.file == tmp_path / "etc" / "eps" / "users.yaml"
     assert cfg.clusters[0].tls.ca == Path("/abs/ca.pem")
+
+
+@pytest.mark.parametrize("kind, make", [("a FIFO", os.mkfifo), ("a directory", os.mkdir)])
+@pytest.mark.parametrize("key, old, new, line", [
+    ("clusters[0].endpoints.file", "[127.0.0.1:9191]", "{file: input}", 6),
+    ("clusters[0].tls.ca", "[127.0.0.1:9191]", "[127.0.0.1:9191]\n    tls: {ca: input}", 7),
+    ("listeners[0].idl", "    routes:", "    idl: input\n    routes:", 3),
+])
+def test_an_input_file_that_is_there_must_be_a_regular_file(tmp_path, kind, make, key, old, new, line):
+    """A FIFO would block the `open()` that reads it, on the loop (before, check-config took a
+    FIFO endpoints file and `run` never listened). A missing endpoints file is fine: discovery
+    waits for it."""
+    conf = tmp_path / "sidecar.yaml"
+    conf.write_text(MINIMAL.replace(old, new, 1))
+    make(tmp_path / "input")
+    with pytest.raises(ConfigError) as info:
+        load(conf)
+    assert info.value.errors == [f"{conf}:{line}: {key}: must be a regular file; {tmp_path / 'input'} is {kind}"]
+
+
+def test_a_missing_endpoints_file_is_waited_for(tmp_path):
+    conf = tmp_path / "sidecar.yaml"
+    conf.write_text(MINIMAL.replace("[127.0.0.1:9191]", "{file: users.yaml}"))
+    assert load(conf).clusters[0].endpoints.file == tmp_path / "users.yaml"
 
 
 def test_port_zero_listeners_never_clash():

@@ -1,18 +1,27 @@
 """Discovery sources without sockets: DNS with a resolver the test controls, files with swaps.
 
-Invariants: a failed, timed-out or empty resolution and a missing, unparsable or
-empty file keep the last good set and log why; an unchanged set is not handed to
-the cluster; a Kubernetes-style `..data` symlink swap is noticed; the cluster
-keeps the objects (pools, counters) of endpoints that stay and retires the rest
-without failing a call that waits for one of their connections.
+Invariants: a failed, timed-out or empty resolution and a missing, unparsable,
+empty or non-regular (FIFO) file keep the last good set and log why; a source has
+one lookup in flight at most, and a hung system lookup holds none of the loop's
+threads; nothing blocks the loop; an unchanged set is not handed to the cluster; a
+Kubernetes-style `..data` symlink swap is noticed; the cluster keeps the objects
+(pools, counters) of endpoints that stay and retires the rest without failing a
+call that waits for one of their connections.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import gc
 import logging
 import os
 import random
+import shutil
+import stat
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -23,6 +32,7 @@ from proxy.cluster import Cluster
 from proxy.discovery import (
     DnsSource,
     FileSource,
+    LookupThreads,
     file_signature,
     make_source,
     parse_endpoints_file,
@@ -42,18 +52,19 @@ def keys(cluster) -> list[tuple[str, int, int]]:
 
 
 class Resolver:
-    """Answers what the test says; raises what the test says."""
+    """Answers what the test says; raises what the test says; "hang": waits for `released`."""
 
     def __init__(self, *addresses: str) -> None:
         self.answer: object = list(addresses)
         self.calls = 0
+        self.released = asyncio.Event()
 
     async def __call__(self, host: str):
         self.calls += 1
+        if self.answer == "hang":
+            await self.released.wait()
         if isinstance(self.answer, BaseException):
             raise self.answer
-        if self.answer == "hang":
-            await asyncio.sleep(10)
         return list(self.answer)
 
 
@@ -84,7 +95,6 @@ def test_dns_set_follows_the_resolver_and_keeps_objects(caplog):
 @pytest.mark.parametrize("answer,why", [
     (OSError(-2, "Name or service not known"), "resolution failed: Name or service not known"),
     ([], "resolution returned no addresses"),
-    ("hang", "resolution timed out after 0.05s"),
 ])
 def test_dns_failure_keeps_the_last_good_set(caplog, answer, why):
     async def main():
@@ -106,6 +116,137 @@ def test_dns_failure_keeps_the_last_good_set(caplog, answer, why):
     assert len(warnings) == 1   # said once, not every refresh
     assert f"users: dns users.ns.svc:9090: {why}; keeping the last good set (1 endpoints)" in warnings[0].message
     assert "works again" in caplog.text
+
+
+def test_a_hung_lookup_is_not_asked_again_while_it_runs(caplog):
+    """A round gives up on its lookup after `timeout`, but a system lookup keeps its thread
+    until the resolver answers. Rounds while it runs start no other lookup and keep the last
+    good set (before, each round started one more: two hung, and uvloop had no thread left for
+    any lookup, connects' included); once it has returned, the next round asks again."""
+    async def main():
+        cluster = make_cluster(asyncio.get_running_loop())
+        res = Resolver("10.0.0.1")
+        src = DnsSource(cluster, "users.ns.svc", 9090, refresh=60, resolver=res, timeout=0.05)
+        await src.refresh()
+        res.answer = "hang"
+        await src.refresh()
+        assert src.last_error == "resolution timed out after 0.05s"
+        await src.refresh()
+        await src.refresh()
+        assert res.calls == 2 and src.failures == 3 and keys(cluster) == [("10.0.0.1", 9090, 1)]
+        assert src.last_error == ("previous lookup of users.ns.svc still running, "
+                                  "more than 0.05s after it started")
+        res.answer = OSError(-3, "Temporary failure in name resolution")
+        res.released.set()                 # it fails at last: no round waits for it, none says so
+        await asyncio.sleep(0.01)
+        res.answer = ["10.0.0.4"]
+        await src.refresh()
+        gc.collect()                       # (an error never retrieved is told when collected)
+        assert res.calls == 3 and keys(cluster) == [("10.0.0.4", 9090, 1)] and src.last_error is None
+        res.answer = "hang"
+        res.released.clear()
+        await src.refresh()
+        hung = src.lookup
+        src.close()                        # the lookup goes with its source
+        await asyncio.sleep(0)
+        assert hung.cancelled()
+    with caplog.at_level(logging.INFO, logger="proxy.discovery"):
+        asyncio.run(main())
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 3, warnings    # each reason once (timed out, still running; timed out)
+    assert "after it started; keeping the last good set (1 endpoints)" in warnings[1]
+
+
+HANG_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <netdb.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* getaddrinfo("hang.test") blocks while $HANG_FLAG exists, as with a DNS server that never
+   answers; each such call appends a line to $HANG_LOG. Other names go to the real one. */
+int getaddrinfo(const char *node, const char *service, const struct addrinfo *hints,
+                struct addrinfo **res) {
+    if (node && strcmp(node, "hang.test") == 0) {
+        FILE *log = fopen(getenv("HANG_LOG"), "a");
+        if (log) { fputs("lookup\n", log); fclose(log); }
+        while (access(getenv("HANG_FLAG"), F_OK) == 0) usleep(10000);
+        return EAI_AGAIN;
+    }
+    int (*real)(const char *, const char *, const struct addrinfo *, struct addrinfo **) =
+        (int (*)(const char *, const char *, const struct addrinfo *, struct addrinfo **))
+        dlsym(RTLD_NEXT, "getaddrinfo");
+    return real(node, service, hints, res);
+}
+"""
+
+HANG_CHILD = """
+import asyncio, random, time
+import uvloop
+from proxy.balancer import make_balancer
+from proxy.cluster import Cluster
+from proxy.discovery import DnsSource
+from proxy.pool import PoolSettings
+
+async def main():
+    loop = asyncio.get_running_loop()
+    cluster = Cluster("c", loop, [], make_balancer("round_robin", rng=random.Random(1)), PoolSettings())
+    src = DnsSource(cluster, "hang.test", 9090, refresh=0.02, timeout=0.05)  # the system resolver
+    await src.start()
+    deadline = time.monotonic() + 30
+    while src.failures < 10 and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    print("failures", src.failures, "|", src.last_error, flush=True)
+    await asyncio.wait_for(loop.getaddrinfo("localhost", 80), 10)  # what a connect to a name does
+    print("connect-time lookup answered", flush=True)
+    src.close()
+
+uvloop.run(main())
+print("loop closed", flush=True)  # and the process exits though hang.test's lookup hangs on
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler for the getaddrinfo shim")
+def test_hung_system_lookups_leave_connect_time_lookups_alone(tmp_path):
+    """The real system resolver, hung (an LD_PRELOAD shim), under uvloop in a child process:
+    ten rounds make one lookup, on discovery's threads; `loop.getaddrinfo` (what a connect to
+    a host name uses) still answers; the process exits with that lookup still hung."""
+    (tmp_path / "shim.c").write_text(HANG_SHIM)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", tmp_path / "shim.so", tmp_path / "shim.c", "-ldl"],
+                   check=True)
+    flag, lookups = tmp_path / "hang.flag", tmp_path / "lookups.log"
+    flag.touch()
+    env = {**os.environ, "LD_PRELOAD": str(tmp_path / "shim.so"), "HANG_FLAG": str(flag),
+           "HANG_LOG": str(lookups)}
+    try:
+        child = subprocess.run([sys.executable, "-c", HANG_CHILD], cwd=Path(__file__).parent.parent,
+                               env=env, capture_output=True, text=True, timeout=60)
+    finally:
+        flag.unlink()
+    out = child.stdout + child.stderr
+    assert child.returncode == 0, out
+    assert "still running" in out and "connect-time lookup answered" in out and "loop closed" in out
+    assert lookups.read_text().count("lookup") == 1, out
+
+
+def test_lookup_threads_are_few_and_daemons():
+    """Hung lookups hold at most `size` threads, daemon ones (they must not keep the process
+    from exiting); more wait their turn, and one whose round gave up while it waited never runs."""
+    pool = LookupThreads(2)
+    release = threading.Event()
+    hung = [pool.submit(release.wait) for _ in range(3)]
+    dropped = hung.pop()
+    waiting = pool.submit(int, "7")
+    assert dropped.cancel() and not waiting.done()
+    assert [t.daemon for t in pool.threads] == [True, True]
+    assert [t.name for t in pool.threads] == ["discovery-lookup-0", "discovery-lookup-1"]
+    release.set()
+    assert waiting.result(timeout=30) == 7 and all(f.result(timeout=30) for f in hung)
+    assert len(pool.threads) == 2
 
 
 def test_dns_loop_refreshes_every_interval_and_stops_on_close():
@@ -235,6 +376,67 @@ def test_file_missing_at_start_starts_empty_then_follows(tmp_path):
         assert keys(cluster) == [("127.0.0.1", 1, 1)]
         src.close()
     asyncio.run(main())
+
+
+class FifoWriter:
+    """Opens the FIFO at `path` for writing once someone waits to read it, after `after`
+    seconds: a loop blocked in `open()` there (the bug) then fails the test instead of hanging
+    it. `.needed` says it had to."""
+
+    def __init__(self, path: Path, after: float = 5.0) -> None:
+        self.path, self.after, self.needed = path, after, False
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        self.stop.wait(self.after)
+        while not self.stop.wait(0.05):
+            try:
+                if stat.S_ISFIFO(os.stat(self.path).st_mode):
+                    os.close(os.open(self.path, os.O_WRONLY | os.O_NONBLOCK))
+                    self.needed = True
+            except OSError as e:
+                assert e.errno in (errno.ENXIO, errno.ENOENT)  # no reader waits (yet)
+
+    def __enter__(self) -> FifoWriter:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def test_a_fifo_endpoints_file_is_refused_without_blocking_the_loop(tmp_path, caplog):
+    """A FIFO swapped in at the path, or there at startup (`check-config` refuses that, not a
+    swap later), is a failed round that keeps the last good set. Before, `open()` waited for a
+    writer on the loop's thread: no call was served, not even SIGTERM."""
+    path = tmp_path / "eps.yaml"
+    path.write_text("- 10.0.0.1:9090\n")
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        cluster = make_cluster(loop)
+        src = FileSource(cluster, path, interval=0.02)
+        await src.start()
+        os.mkfifo(tmp_path / "eps.fifo")
+        os.replace(tmp_path / "eps.fifo", path)
+        deadline = loop.time() + 30
+        while src.failures == 0 and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        assert keys(cluster) == [("10.0.0.1", 9090, 1)] and src.last_error == "not a regular file (a FIFO)"
+        src.close()
+        at_start = make_cluster(loop)
+        first = FileSource(at_start, path)
+        await first.start()
+        first.close()
+        assert at_start.endpoints == [] and first.last_error == "not a regular file (a FIFO)"
+
+    with FifoWriter(path) as writer, caplog.at_level(logging.INFO, logger="proxy.discovery"):
+        asyncio.run(main())
+    assert not writer.needed, "the loop waited in open() for a writer"
+    assert f"endpoints file {path}: not a regular file (a FIFO); keeping the last good set (1 endpoints)" \
+        in caplog.text
 
 
 # -- the composition root wires sources ----------------------------------------------------
