@@ -48,10 +48,10 @@ def _connect_hooks(endpoint: Endpoint):
 
     def end(ok: bool | None) -> None:
         endpoint.outstanding -= 1
-        if ok is False and endpoint.breaker is not None:
-            endpoint.breaker.record(False, False)
+        if ok is False:
+            refused()
 
-    def refused() -> None:  # (a connection whose TLS the server refused: a connect that failed, late)
+    def refused() -> None:  # (also a connection whose TLS the server refused: a connect that failed, late)
         if endpoint.breaker is not None:
             endpoint.breaker.record(False, False)
 

@@ -573,7 +573,7 @@ class UpstreamConnection(asyncio.Protocol):
         # (TLS 1.3: a refusal of our certificate comes after our side's handshake, before any
         # reply, whether or not the connection sat idle after a oneway; TLS 1.2 could
         # renegotiate later: not trusted there)
-        alert = refusal(exc) if exc is not None and self.tls13 and not self.replied else None
+        alert = refusal(exc) if self.tls13 and not self.replied else None
         if alert is not None and self.oneways:
             self.pool.oneways_refused(alert, self.oneways)  # (nobody waits to be told)
         ex = self.exchange_
