@@ -134,6 +134,23 @@ def test_a_read_of_exactly_one_frame_is_kept_as_is(wire: cf.Wire):
     assert m.data is data
 
 
+@pytest.mark.parametrize("wire", [w for w in cf.WIRES if w.framing is Framing.BUFFERED], ids=lambda w: w.id)
+def test_an_unframed_message_that_is_one_whole_read_is_kept_as_is(wire: cf.Wire):
+    """Scanned where it is: no copy into the buffer and out again. A read that begins a
+    message and goes on past it, or ends before it, still gives the right messages."""
+    f = cf.fixtures(wire)["ping-call"]
+    data = bytes(bytearray(f.data))
+    d = Decoder(wire.framing, wire.protocol)
+    d.feed(data)
+    m = d.next_message()
+    assert m.data is data and d.buffered == 0
+    two = f.data + f.data
+    d.feed(two[:len(f.data) + 3])  # a whole message and the next one's first bytes
+    assert d.next_message().data == f.data and d.next_message() is None and d.buffered == 3
+    d.feed(two[len(f.data) + 3:])
+    assert d.next_message().data == f.data and d.buffered == 0
+
+
 @pytest.mark.parametrize("wire", [w for w in cf.WIRES if w.autodetectable], ids=lambda w: w.id)
 @pytest.mark.parametrize("mode", ["auto", "auto-framing", "auto-protocol"])
 def test_auto_detection_matches_explicit_config(wire: cf.Wire, mode: str):

@@ -350,6 +350,20 @@ def test_agrees_on_every_fixture_at_every_split(protocol):
 
 
 @needs_compiled
+def test_a_map_field_skipped_in_one_step_agrees_at_the_nesting_limit_and_when_cut():
+    """The compiled struct loop passes a map of strings/fixed values in one step, no frame
+    pushed: at max_depth 1 it must still fail as the pure scanner does (the map's frame would
+    be one too deep), and a map cut anywhere must leave both in the same state."""
+    import struct
+    entry = struct.pack(">i", 1) + b"k" + struct.pack(">q", 7)
+    body = (struct.pack(">bh", 13, 1) + bytes([11, 10]) + struct.pack(">i", 2) + entry + entry
+            + struct.pack(">bh", 13, 2) + bytes([11, 12]) + struct.pack(">i", 0) + b"\x00")
+    rnd = random.Random(3)
+    assert check_scan(body, False, 0, rnd, max_depth=1) == (("error", "bad request: nesting deeper than 1"), 9)
+    assert check_scan(body, False, 0, rnd, max_depth=2) == (True, len(body))
+
+
+@needs_compiled
 @SETTINGS
 @given(inp=scan_inputs())
 def test_agrees_on_fuzzed_input(inp):

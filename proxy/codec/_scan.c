@@ -95,35 +95,45 @@ rd_i32(const uint8_t *p)
 }
 
 static int
+grow(Scanner *s);
+
+static inline int
 push(Scanner *s, int kind, int a, int b, int64_t n)
 {
     if (s->depth >= s->max_depth) {
         protocol_error("bad request: nesting deeper than %zd", s->max_depth);
         return -1;
     }
-    if (s->depth == s->cap) {
-        Py_ssize_t cap = s->cap * 2;
-        Frame *stack;
-        if (s->stack == s->inline_stack) {
-            stack = PyMem_New(Frame, cap);
-            if (stack != NULL)
-                memcpy(stack, s->stack, sizeof(Frame) * (size_t)s->depth);
-        } else {
-            stack = s->stack;
-            PyMem_Resize(stack, Frame, cap);
-        }
-        if (stack == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        s->stack = stack;
-        s->cap = cap;
-    }
+    if (s->depth == s->cap && grow(s) < 0)
+        return -1;
     Frame *f = &s->stack[s->depth++];
     f->kind = (uint8_t)kind;
     f->a = (uint8_t)a;
     f->b = (uint8_t)b;
     f->n = n;
+    return 0;
+}
+
+/* The stack is full: twice the room (off the inline frames on the first time). */
+static int
+grow(Scanner *s)
+{
+    Py_ssize_t cap = s->cap * 2;
+    Frame *stack;
+    if (s->stack == s->inline_stack) {
+        stack = PyMem_New(Frame, cap);
+        if (stack != NULL)
+            memcpy(stack, s->stack, sizeof(Frame) * (size_t)s->depth);
+    } else {
+        stack = s->stack;
+        PyMem_Resize(stack, Frame, cap);
+    }
+    if (stack == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    s->stack = stack;
+    s->cap = cap;
     return 0;
 }
 
@@ -142,6 +152,30 @@ bin_value_end(const uint8_t *buf, Py_ssize_t pos, Py_ssize_t end, int t)
             return pos + 4 + n;
     }
     return -1;
+}
+
+/* End of a map at pos (its header first) whose keys and values are all fixed-size or
+ * strings and all here, else -1 (then the map is read the long way, frame by frame, which
+ * also reports what is wrong with it). The struct loop skips such a field in one step: the
+ * pure scanner would push the map's frame, pass its entries and pop it, stopping nowhere. */
+static inline Py_ssize_t
+bin_map_end(const uint8_t *buf, Py_ssize_t pos, Py_ssize_t end)
+{
+    if (end - pos < 6)
+        return -1;
+    const int kt = buf[pos], vt = buf[pos + 1];
+    int32_t n = rd_i32(buf + pos + 2);
+    if (n < 0 || (n && (!BIN_VALID[kt] || !BIN_VALID[vt])))
+        return -1;
+    pos += 6;
+    while (n > 0) {
+        Py_ssize_t p = bin_value_end(buf, pos, end, kt);
+        if (p < 0 || (p = bin_value_end(buf, p, end, vt)) < 0)
+            return -1;
+        pos = p;
+        n--;
+    }
+    return pos;
 }
 
 /* 1 = struct complete, 0 = need more bytes, -1 = error raised. */
@@ -234,8 +268,10 @@ scan_binary(Scanner *s, const uint8_t *buf, Py_ssize_t end)
                     ret = -1; goto out;
                 }
                 Py_ssize_t p = bin_value_end(buf, pos + 3, end, t);
-                if (p < 0)
-                    break;
+                if (p < 0) {
+                    if (t != 13 || (p = bin_map_end(buf, pos + 3, end)) < 0 || s->depth >= s->max_depth)
+                        break;
+                }
                 pos = p;
             }
             if (t == 0) {

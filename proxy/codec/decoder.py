@@ -199,27 +199,34 @@ class Decoder:
         if head is None:
             return None
         name, mtype, seqid, body = head
-        buf = self._buf
-        body += self._off
+        if self._whole is not None:  # (the read it began in, scanned where it is: _buf is empty)
+            buf = self._whole
+        else:
+            buf = self._buf
+            body += self._off
         if len(buf) - body < _FIELD_HEAD_MAX:
             return None
         field = peek_result_field(buf, body, len(buf), self.protocol) if mtype == MessageType.REPLY else None
         return name, mtype, seqid, field
 
-    def detach_unframed(self) -> tuple[bytearray, UnframedStream]:
+    def detach_unframed(self) -> tuple[bytes | bytearray, UnframedStream]:
         """Hand the unframed message being scanned over, to pass it on as it arrives.
 
-        Returns its bytes so far (the caller's now: nothing here touches them again) and
-        an `UnframedStream` that goes on with the scan in the reads that follow, under
-        the same max_frame_size. The decoder is left empty, as if the message had been
-        returned. Only after `unframed_head()` gave a head (the scan has begun).
+        Returns its bytes so far (the caller's now: nothing here touches them again; the
+        read itself, uncopied, when the message began in the one read held) and an
+        `UnframedStream` that goes on with the scan in the reads that follow, under the same
+        max_frame_size. The decoder is left empty, as if the message had been returned.
+        Only after `unframed_head()` gave a head (the scan has begun).
         """
-        if self._whole is not None:
-            self._buf += self._whole
-            self._whole = None
         scanner = self._scanner
         if scanner is None:
             raise RuntimeError("detach_unframed: no unframed message is being scanned")
+        whole = self._whole
+        if whole is not None:
+            self._whole = None
+            self._head = None
+            self._scanner = None
+            return whole, UnframedStream(scanner, whole, self.max_frame_size)
         buf, off = self._buf, self._off
         if off:
             del buf[:off]
@@ -318,6 +325,8 @@ class Decoder:
         whole = self._whole
         if whole is not None:
             framing = self.framing
+            if framing is Framing.BUFFERED and self._head is None:
+                return self._unframed_whole(whole)
             if self._nesting_open and len(whole) >= 6 and _U16.unpack_from(whole, 4)[0] == THEADER_MAGIC:
                 self._nesting_open = False  # plain THeader (what _detect_nesting would decide)
             if framing is Framing.FRAMED or framing is Framing.FRAMED_HEADER or (
@@ -575,7 +584,39 @@ class Decoder:
 
     # -- unframed -------------------------------------------------------------
 
+    def _unframed_whole(self, whole: bytes) -> Message | None:
+        """An unframed message from its first byte at the start of the read `whole`, nothing
+        else held: scanned where it is. A message that is the whole read is returned as that
+        bytes object (no copy); one that goes on past it keeps the read uncopied until the
+        next one comes (`feed` appends both to the buffer: the scan's offsets hold there)."""
+        stop = self._scan_unframed(whole, 0, len(whole))
+        if stop is None:
+            return None  # (`_whole` stays: the message's bytes so far)
+        self._whole = None
+        if stop == len(whole):
+            data = whole
+        else:
+            data = whole[:stop]
+            self._buf += memoryview(whole)[stop:]  # the next messages' bytes
+        return self._unframed_message(data)
+
     def _unframed(self, buf, off: int, end: int) -> Message | None:
+        stop = self._scan_unframed(buf, off, end)
+        if stop is None:
+            return None
+        data = _copy(buf, off, stop)
+        self._consume(stop)
+        return self._unframed_message(data)
+
+    def _unframed_message(self, data: bytes) -> Message:
+        head = self._head
+        self._head = None
+        self._scanner = None
+        return Message(head[0], head[1], head[2], Framing.BUFFERED, self.protocol, data, 0, None, data, head[3])
+
+    def _scan_unframed(self, buf, off: int, end: int) -> int | None:
+        """Scan the unframed message starting at buf[off] up to `end`: the offset just past
+        it, or None while it is incomplete (the scan keeps its place)."""
         protocol = self.protocol
         if protocol is None:  # framing configured as buffered, protocol left to detection
             if end - off < 2:
@@ -616,12 +657,7 @@ class Decoder:
                 scanner.pos -= off
                 self._off = 0
             return None
-        stop = scanner.pos
-        data = _copy(buf, off, stop)
-        self._consume(stop)
-        self._head = None
-        self._scanner = None
-        return Message(head[0], head[1], head[2], Framing.BUFFERED, protocol, data, 0, None, data, head[3])
+        return scanner.pos
 
 
 def _copy(buf: bytearray, start: int, stop: int) -> bytes:
