@@ -744,15 +744,20 @@ def _cross_problems(data: dict[str, Any]) -> list[tuple[Loc, str]]:
 # Loading: YAML → (data, line of every key path) → Config, or every error with its line
 
 
-def load(path: str | Path) -> Config:
-    """Read and validate the config file at `path`; raise ConfigError listing every problem."""
+def load(path: str | Path, again: bool = False) -> Config:
+    """Read and validate the config file at `path`; raise ConfigError listing every problem.
+
+    `again`: a reload's read, on the loop's thread: the file must be a regular one
+    (`_read_again`)."""
     filename = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = _read_again(path) if again else Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError([f"{filename}:0: (file): {e.strerror or e}"]) from None
     except UnicodeDecodeError as e:
         raise ConfigError([f"{filename}:0: (file): not UTF-8 text ({e.reason})"]) from None
+    except ValueError as e:
+        raise ConfigError([f"{filename}:0: (file): {e}"]) from None
     return loads(text, filename)
 
 
@@ -788,12 +793,25 @@ def loads(text: str, filename: str = "<string>") -> Config:
 
 def line_of_key(path: str | Path, loc: Loc) -> int:
     """The line where key path `loc` starts in the config file at `path` (for errors found
-    after loading, e.g. a port in use); 1 if the file cannot be read again."""
+    after loading, e.g. a port in use); 1 if the file cannot be read again (or is no regular
+    file: a pipe given at start-up is not read twice)."""
     try:
-        _, lines, _ = _read_yaml(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError):
+        _, lines, _ = _read_yaml(_read_again(path))
+    except (OSError, ValueError, yaml.YAMLError, RecursionError):  # (UnicodeDecodeError: a ValueError)
         return 1
     return _line_of(loc, lines)
+
+
+def _read_again(path: str | Path) -> str:
+    """The text of the config file at `path`, read again while serving (reload, an error's
+    line): it must be a regular file, and it is opened with O_NONBLOCK, so that a FIFO put in
+    its place is refused (ValueError) instead of holding the loop's thread in `open()` until
+    some writer comes. At start-up any readable file does (`run -c <(...)`: `load`)."""
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)), "rb") as f:
+        kind = special_file(os.fstat(f.fileno()).st_mode)
+        if kind is not None:
+            raise ValueError(f"must be a regular file to be read again; it is {kind} now")
+        return f.read().decode("utf-8")
 
 
 def _read_yaml(text: str) -> tuple[Any, dict[Loc, int], list[tuple[Loc, str]]]:

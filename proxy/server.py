@@ -380,7 +380,7 @@ class Server:
         if not self.path:
             return False
         try:
-            config = cfgmod.load(self.path)
+            config = cfgmod.load(self.path, again=True)
         except cfgmod.ConfigError as e:
             self.reloads["failed"] += 1
             log.error("reload rejected: %s has %d error(s); the old config keeps serving",

@@ -365,6 +365,43 @@ def test_reload_turns_the_file_watch_on_and_off(tmp_path):
         b.stop()
 
 
+def test_a_config_file_turned_fifo_is_refused_by_reload_without_blocking_the_loop(tmp_path, caplog):
+    """A reload (SIGHUP, the admin, the file watch) reads the file on the loop's thread: a
+    FIFO put in its place would hold the loop in `open()` until a writer came. It is refused,
+    the old config keeps serving, and the next reload of a regular file applies. An error's
+    line number is not looked up in it either."""
+    import os
+    from proxy import config as cfgmod
+    up = ThriftServer()
+    port = free_ports(1)[0]
+    path = tmp_path / "sidecar.yaml"
+    text = _one_listener("test", port, up.address)
+    path.write_text(text)
+    try:
+        with Proxy(text, path=str(path)) as p:
+            path.unlink()
+            os.mkfifo(path)
+            try:
+                assert not asyncio.run_coroutine_threadsafe(p.server.reload(), p.loop).result(5)
+                assert cfgmod.line_of_key(path, ("listeners", 0, "listen")) == 1
+            finally:  # (before the fix: free the loop from its open() so that the test can end)
+                try:
+                    os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+                except OSError:
+                    pass
+            assert (f"reload rejected: {path}:0: (file): must be a regular file to be read again; "
+                    "it is a FIFO now") in caplog.text
+            assert p.server.reloads == {"ok": 0, "failed": 1}
+            with client(port) as c:
+                assert c.lookup("k") == "upstream:k"
+            path.unlink()
+            path.write_text(text.replace("load_balancer: round_robin", "load_balancer: random"))
+            assert asyncio.run_coroutine_threadsafe(p.server.reload(), p.loop).result(20)
+            assert p.server.config.clusters[0].load_balancer == "random"
+    finally:
+        up.stop()
+
+
 def _get(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=5) as r:
         return json.loads(r.read())
