@@ -669,6 +669,18 @@ class Config(_Model):
         return self.model_dump(mode="json")
 
 
+def _valid_listeners(data: Any, context: dict) -> list[tuple[int, Listener]]:
+    """(index, Listener) for each listener in the raw data that is valid on its own."""
+    data = _name_listeners(data) if isinstance(data, dict) else {}
+    out = []
+    for i, item in enumerate(data.get("listeners") if isinstance(data.get("listeners"), list) else []):
+        try:
+            out.append((i, Listener.model_validate(item, context=context)))
+        except ValidationError:
+            pass  # (its problems are reported on it already)
+    return out
+
+
 def _name_listeners(data: dict[str, Any]) -> dict[str, Any]:
     listeners = data.get("listeners")
     if not isinstance(listeners, list):
@@ -778,13 +790,17 @@ def loads(text: str, filename: str = "<string>") -> Config:
     if data is None:
         raise ConfigError([f"{filename}:1: (root): the file has no config in it"])
     config = None
+    context = {"base_dir": Path(filename).parent.absolute()}
     try:
-        config = Config.model_validate(data, context={"base_dir": Path(filename).parent.absolute()})
+        config = Config.model_validate(data, context=context)
     except ValidationError as e:
         problems += _problems_from(e, Config)
-    if config is not None and not problems:
-        from proxy.idl import config_problems  # reads each listener's IDL (and its includes)
+    from proxy.idl import config_problems, listener_problems  # (they read each listener's IDL)
+    if config is not None:
         problems += config_problems(config)
+    else:  # the IDLs of the listeners that are valid on their own, reported with the rest
+        for i, listener in _valid_listeners(data, context):
+            problems += listener_problems(i, listener)
     if problems:
         raise ConfigError(_error_lines(filename, data, lines, problems))
     assert config is not None

@@ -207,25 +207,32 @@ def config_problems(config: Any) -> list[tuple[tuple[str | int, ...], str]]:
     name that cannot be resolved: without an `idl`, or declared by no method of it."""
     problems: list[tuple[tuple[str | int, ...], str]] = []
     for i, listener in enumerate(config.listeners):
-        idl = None
-        if listener.idl is not None:
-            try:
-                idl = load(listener.idl)
-            except IdlError as e:
-                problems.append((("listeners", i, "idl"), str(e)))
+        problems += listener_problems(i, listener)
+    return problems
+
+
+def listener_problems(i: int, listener: Any) -> list[tuple[tuple[str | int, ...], str]]:
+    """`config_problems` for one valid listener, the `i`th (also when other parts of the
+    config are invalid: every problem is reported in one go)."""
+    problems: list[tuple[tuple[str | int, ...], str]] = []
+    idl = None
+    if listener.idl is not None:
+        try:
+            idl = load(listener.idl)
+        except IdlError as e:
+            return [(("listeners", i, "idl"), str(e))]
+    declared = (sorted({n for ids in idl.exception_ids().values() for n in ids})
+                if idl is not None else [])
+    for j, route in enumerate(listener.routes):
+        for k, ref in enumerate(route.retry.on_exceptions):
+            if not isinstance(ref, str):
                 continue
-        declared = (sorted({n for ids in idl.exception_ids().values() for n in ids})
-                    if idl is not None else [])
-        for j, route in enumerate(listener.routes):
-            for k, ref in enumerate(route.retry.on_exceptions):
-                if not isinstance(ref, str):
-                    continue
-                loc = ("listeners", i, "routes", j, "retry", "on_exceptions", k)
-                if idl is None:
-                    problems.append((loc, f"exception name '{ref}' needs the listener's idl "
-                                          "(or give the result field id)"))
-                elif ref not in declared:
-                    hint = difflib.get_close_matches(ref, declared, n=1)
-                    problems.append((loc, f"no method in {idl.path.name} declares exception '{ref}'"
-                                          + (f" (did you mean '{hint[0]}'?)" if hint else "")))
+            loc = ("listeners", i, "routes", j, "retry", "on_exceptions", k)
+            if idl is None:
+                problems.append((loc, f"exception name '{ref}' needs the listener's idl "
+                                      "(or give the result field id)"))
+            elif ref not in declared:
+                hint = difflib.get_close_matches(ref, declared, n=1)
+                problems.append((loc, f"no method in {idl.path.name} declares exception '{ref}'"
+                                      + (f" (did you mean '{hint[0]}'?)" if hint else "")))
     return problems

@@ -204,6 +204,37 @@ def test_check_config_reports_idl_problems_with_their_lines(tmp_path):
                                  "'Unavailable' needs the listener's idl" in r.stderr, r.stderr
 
 
+def test_idl_problems_are_reported_with_the_config_s_other_errors(tmp_path):
+    """Every problem in one go: a broken IDL, and an exception name that needs an IDL, are
+    said next to an error elsewhere in the file, not only once that one is fixed."""
+    (tmp_path / "bad.thrift").write_text("service S {\n  void f(\n}\n")
+    (tmp_path / "sidecar.yaml").write_text("""\
+listeners:
+  - name: test
+    service: TestService
+    listen: 127.0.0.1:0
+    idl: bad.thrift
+    routes:
+      - cluster: up
+  - name: other
+    listen: 127.0.0.1:0
+    routes:
+      - cluster: up
+        retry: {on_exceptions: [Unavailable]}
+clusters:
+  - name: up
+    endpoints: [127.0.0.1:1]
+    load_balancer: sideways
+""")
+    with pytest.raises(cfgmod.ConfigError) as e:
+        cfgmod.load(tmp_path / "sidecar.yaml")
+    said = "\n".join(e.value.errors)
+    assert f"sidecar.yaml:5: listeners[0].idl: {tmp_path / 'bad.thrift'}:3: syntax error" in said, said
+    assert ("sidecar.yaml:12: listeners[1].routes[0].retry.on_exceptions[0]: exception name 'Unavailable' "
+            "needs the listener's idl") in said, said
+    assert "sidecar.yaml:16: clusters[0].load_balancer: " in said, said
+
+
 # ---------------------------------------------------------------------------- the server refuses
 
 def test_server_refuses_exception_names_without_idl():
