@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import os
 import shutil
 import socket
 import subprocess
