@@ -61,7 +61,7 @@ __all__ = [
     "Address", "Admin", "Backoff", "CircuitBreaker", "Cluster", "Config", "ConfigError",
     "DnsEndpoints", "Endpoint", "Endpoints", "HeaderMatch", "HealthCheck", "Limits", "Listener",
     "Logging", "Match", "Pool", "Reload", "Retry", "RetryBudget", "Route", "Tls", "Tracing",
-    "WeightedCluster", "load", "loads", "special_file", "summary",
+    "WeightedCluster", "load", "loads", "read_regular", "special_file", "summary",
 ]
 
 Loc = tuple[str | int, ...]
@@ -166,6 +166,15 @@ def special_file(mode: int) -> str | None:
     if stat.S_ISREG(mode):
         return None
     return next((what for test, what in _SPECIAL_FILES if test(mode)), "a special file")
+
+
+def read_regular(path: str | Path, limit: int = -1) -> tuple[bytes, str | None]:
+    """(bytes, None): up to `limit` bytes of the regular file at `path`; (b"", what it is)
+    when it is not one. Opened with O_NONBLOCK, so that a FIFO is refused instead of holding
+    the caller (the loop's thread) in `open()` until some writer comes. Raises OSError."""
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+        kind = special_file(os.fstat(f.fileno()).st_mode)
+        return (b"", kind) if kind is not None else (f.read(limit), None)
 
 
 def _regular_if_present(value: Path) -> Path:
@@ -823,11 +832,10 @@ def _read_again(path: str | Path) -> str:
     line): it must be a regular file, and it is opened with O_NONBLOCK, so that a FIFO put in
     its place is refused (ValueError) instead of holding the loop's thread in `open()` until
     some writer comes. At start-up any readable file does (`run -c <(...)`: `load`)."""
-    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)), "rb") as f:
-        kind = special_file(os.fstat(f.fileno()).st_mode)
-        if kind is not None:
-            raise ValueError(f"must be a regular file to be read again; it is {kind} now")
-        return f.read().decode("utf-8")
+    raw, kind = read_regular(path)
+    if kind is not None:
+        raise ValueError(f"must be a regular file to be read again; it is {kind} now")
+    return raw.decode("utf-8")
 
 
 def _read_yaml(text: str) -> tuple[Any, dict[Loc, int], list[tuple[Loc, str]]]:

@@ -296,11 +296,9 @@ def read_endpoints_file(path: Path) -> bytes:
     """The bytes of the regular file at `path`; raises OSError or ValueError. Opened with
     O_NONBLOCK so that a FIFO (or a device) is refused instead of blocking the caller, the
     loop, in `open()` until a writer comes."""
-    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
-        kind = cfgmod.special_file(os.fstat(f.fileno()).st_mode)
-        if kind is not None:
-            raise ValueError(f"not a regular file ({kind})")
-        raw = f.read(MAX_ENDPOINTS_FILE + 1)
+    raw, kind = cfgmod.read_regular(path, MAX_ENDPOINTS_FILE + 1)
+    if kind is not None:
+        raise ValueError(f"not a regular file ({kind})")
     if len(raw) > MAX_ENDPOINTS_FILE:
         raise ValueError(f"larger than {MAX_ENDPOINTS_FILE} bytes")
     return raw
