@@ -31,10 +31,13 @@ the default asks the system (`getaddrinfo`, A and AAAA) on discovery's own
 few threads. A round waits at most `timeout` for its lookup, but a system
 lookup cannot be stopped: it keeps its thread until the resolver answers. So
 a source has at most one lookup in flight (running or queued); while it is,
-rounds are skipped (failed rounds: the last good set stays), and a hung
-resolver holds at most one of discovery's threads per source, never the
-loop's (uvloop's libuv pool lets lookups use 2 of its 4 threads, and every
-connect to a host name needs one of them).
+rounds are skipped (failed rounds: the last good set stays). And the system
+resolver runs one lookup per host name at a time: whoever asks for a name
+whose lookup is still running (another cluster, or the source a reload built
+in place of the one that started it) waits for that one. A hung resolver so
+holds at most one of discovery's threads per host name, however often the
+config is reloaded, and never one of the loop's (uvloop's libuv pool lets
+lookups use 2 of its 4 threads, and every connect to a host name needs one).
 
     round:  lookup running? --yes--> fail "previous lookup ... still running"
                | no
@@ -99,7 +102,7 @@ class LookupThreads:
     def _work(self) -> None:
         while True:
             future, fn, args = self.jobs.get()
-            if future.set_running_or_notify_cancel():  # (False: its round gave up while it queued)
+            if future.set_running_or_notify_cancel():  # (False: cancelled while it queued)
                 try:
                     future.set_result(fn(*args))
                 except BaseException as e:  # noqa: BLE001 - the awaiting round reports it
@@ -110,11 +113,58 @@ class LookupThreads:
 _lookups = LookupThreads(LOOKUP_THREADS)
 
 
+# host name -> its system lookup while queued or running, shared by everyone who asks meanwhile
+_running: dict[str, Future] = {}
+_running_lock = threading.Lock()
+
+
+def _lookup(host: str) -> Future:
+    """`host`'s system lookup: the one still running, or a new one. Nobody cancels it (others
+    may be waiting on it); a waiter that gives up just stops waiting."""
+    with _running_lock:
+        future = _running.get(host)
+        if future is not None:
+            return future
+        future = _running[host] = _lookups.submit(
+            socket.getaddrinfo, host, None, socket.AF_UNSPEC, socket.SOCK_STREAM)
+    future.add_done_callback(lambda f: _forget(host, f))  # (at once, here, if it is done already)
+    return future
+
+
+def _forget(host: str, future: Future) -> None:
+    with _running_lock:
+        if _running.get(host) is future:
+            del _running[host]
+
+
 async def system_resolver(host: str) -> list[str]:
-    """Every A and AAAA address of `host` (the system resolver, on discovery's own threads)."""
-    infos = await asyncio.wrap_future(
-        _lookups.submit(socket.getaddrinfo, host, None, socket.AF_UNSPEC, socket.SOCK_STREAM))
+    """Every A and AAAA address of `host` (the system resolver, on discovery's own threads).
+    Cancelling this leaves the lookup to whoever else waits for it (see `_lookup`)."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def answered(lookup: Future) -> None:  # on a lookup thread, or here if done already
+        try:
+            loop.call_soon_threadsafe(_hand_over, lookup, waiter)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    _lookup(host).add_done_callback(answered)
+    infos = await waiter
     return [info[4][0] for info in infos if info[0] in (socket.AF_INET, socket.AF_INET6)]
+
+
+def _hand_over(lookup: Future, waiter: asyncio.Future) -> None:
+    if waiter.done():  # (its round was cancelled)
+        return
+    if lookup.cancelled():  # (not by us; whoever did, this round has no answer)
+        waiter.set_exception(OSError("the lookup was cancelled"))
+        return
+    e = lookup.exception()
+    if e is not None:
+        waiter.set_exception(e)
+    else:
+        waiter.set_result(lookup.result())
 
 
 def static_endpoints(eps: Iterable[cfgmod.Endpoint]) -> list[Endpoint]:
@@ -212,7 +262,7 @@ class DnsSource(Source):
     def close(self) -> None:
         super().close()
         if self.lookup is not None:
-            self.lookup.cancel()  # (a system lookup still queued is dropped; a running one ends alone)
+            self.lookup.cancel()  # (stops waiting; the system lookup ends alone, see `_lookup`)
 
     async def refresh(self) -> None:
         if self.lookup is not None and not self.lookup.done():

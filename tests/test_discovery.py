@@ -233,6 +233,70 @@ def test_hung_system_lookups_leave_connect_time_lookups_alone(tmp_path):
     assert lookups.read_text().count("lookup") == 1, out
 
 
+RELOAD_CHILD = """
+import asyncio, time
+import uvloop
+from proxy import config as cfgmod
+from proxy.server import Server
+
+TEXT = '''
+listeners:
+  - {name: a, service: S, listen: 127.0.0.1:0, routes: [{cluster: up}]}
+clusters:
+  - name: up
+    endpoints: {dns: {name: hang.test:9090, refresh: 1s}}
+    connect_timeout: %ds
+  - name: twin
+    endpoints: {dns: {name: hang.test:9091, refresh: 1s}}
+'''
+
+async def main():
+    server = Server(cfgmod.loads(TEXT % 1, "test.yaml"), asyncio.get_running_loop())
+    await server.start()
+    for i in range(2, 7):  # each reload rebuilds cluster `up`, and with it its DNS source
+        await server.apply(cfgmod.loads(TEXT % i, "test.yaml"))
+        print("reloaded", i, flush=True)
+    for name in ("up", "twin"):
+        src = server.clusters[name].discovery
+        deadline = time.monotonic() + 30
+        while "still running" not in (src.last_error or "") and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        print(name, "|", src.last_error, flush=True)
+    await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo("localhost", 80), 10)
+    print("connect-time lookup answered", flush=True)
+    await server.close()
+
+uvloop.run(main())
+print("loop closed", flush=True)
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler for the getaddrinfo shim")
+def test_reloads_and_clusters_share_a_hung_lookup_of_the_same_name(tmp_path):
+    """A real Server whose two clusters resolve the same hung name (an LD_PRELOAD shim), and
+    five reloads that each rebuild one of them (a new DNS source each): one system lookup in
+    all, so one of discovery's threads held, not one per source a reload left behind (before,
+    each rebuilt source started its own: after four reloads every thread hung, and a cluster
+    whose name did answer waited behind them). Every source says its lookup is still running."""
+    (tmp_path / "shim.c").write_text(HANG_SHIM)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", tmp_path / "shim.so", tmp_path / "shim.c", "-ldl"],
+                   check=True)
+    flag, lookups = tmp_path / "hang.flag", tmp_path / "lookups.log"
+    flag.touch()
+    env = {**os.environ, "LD_PRELOAD": str(tmp_path / "shim.so"), "HANG_FLAG": str(flag),
+           "HANG_LOG": str(lookups)}
+    try:
+        child = subprocess.run([sys.executable, "-c", RELOAD_CHILD], cwd=Path(__file__).parent.parent,
+                               env=env, capture_output=True, text=True, timeout=90)
+    finally:
+        flag.unlink()
+    out = child.stdout + child.stderr
+    assert child.returncode == 0, out
+    assert "reloaded 6" in out and "connect-time lookup answered" in out and "loop closed" in out, out
+    assert out.count("still running") >= 2, out
+    assert lookups.read_text().count("lookup") == 1, out
+
+
 def test_lookup_threads_are_few_and_daemons():
     """Hung lookups hold at most `size` threads, daemon ones (they must not keep the process
     from exiting); more wait their turn, and one whose round gave up while it waited never runs."""
