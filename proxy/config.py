@@ -441,7 +441,7 @@ class Listener(_Model):
     max_connections: PositiveCount = 10000
     backlog: Annotated[int, Strict(), Field(ge=1, le=65535)] = 1024  # (the kernel caps it at somaxconn)
     request_read_timeout: Duration = 30.0  # a started request must arrive within this; 0 = none
-    idle_timeout: Duration = 0.0  # 0 = keep idle client connections
+    idle_timeout: Duration = 0.0  # no call in flight, no byte either way for this long: closed; 0 = keep idle client connections
     oneway_methods: tuple[Text, ...] = ()
     routes: Annotated[tuple[Route, ...], BeforeValidator(_not_empty_list)]  # first match wins
 

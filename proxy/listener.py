@@ -553,6 +553,8 @@ class ClientConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.paused_writing = False
+        if self._idle_timer is not None:
+            self._last_active = monotonic_ns()
         if self.stream_call is not None:
             self.stream_call.client_paused_ns += monotonic_ns() - self._paused_at
         if self.stream_up is not None:
@@ -733,6 +735,8 @@ class ClientConnection(asyncio.Protocol):
             self.bytes_out += len(data)
             c.reply_size = len(data)
             unacked.append((self.bytes_out, c))
+        if self._idle_timer is not None:
+            self._last_active = c.t_write  # (idle_timeout counts from the last reply too)
         self._ack_delay = ACK_POLL_FIRST
         if self._ack_poll is not None:
             self._ack_poll.cancel()
@@ -813,6 +817,8 @@ class ClientConnection(asyncio.Protocol):
             call.t_acked = now
             call.pipeline.completed(call)
         if not unacked:
+            if self._idle_timer is not None:
+                self._last_active = now  # the client has read every reply: idle from here
             return
         oldest = unacked[0][1]
         if now - oldest.t_write > ACK_CAP_NS:
@@ -964,10 +970,13 @@ class ClientConnection(asyncio.Protocol):
             return
         idle = self.settings.idle_timeout
         now = monotonic_ns()
-        if self._unacked or self.stream_call is not None or self.paused_writing:
-            self._last_active = now  # still delivering replies (a slow reader is not idle)
+        if self.queue or self._unacked or self.stream_call is not None or self.paused_writing:
+            # Calls in flight, replies still being delivered (a slow reader is not idle). Their
+            # ends (a reply written, the client's last ack, writing resumed) stamp _last_active,
+            # so the idle time counts from there, not from this look.
+            self._last_active = now
         quiet = (now - self._last_active) / 1e9
-        if not self.queue and not self.decoder.buffered and quiet >= idle:
+        if not self.decoder.buffered and quiet >= idle:
             self.state.stats["idle_closed"] += 1
             self.closing = True
             self.transport.close()

@@ -616,3 +616,24 @@ def test_oneways_to_an_upstream_that_stops_reading_do_not_pile_up_in_the_proxy()
     finally:
         p.stop()
         up.close()
+
+
+def test_idle_timeout_counts_from_the_last_reply_not_the_last_request():
+    """idle_timeout 500ms and a call that takes 700 ms: the connection is busy, not idle, while
+    the call runs, and idle only from its reply on. A call sent 50 ms after that reply is
+    answered on the same connection. Before: idle counted from the request's last byte, so the
+    connection was closed ~10 ms after the slow reply and the next call was lost with it."""
+    up = ThriftServer()
+    try:
+        with Proxy(config_text([up.address], extra_listener="\n    idle_timeout: 500ms")) as p:
+            with client(p.port()) as c:
+                assert c.sleep(700) == 700
+                time.sleep(0.05)
+                assert c.lookup("k").endswith(":k")  # answered, not a closed connection
+                time.sleep(0.2)
+                assert c.sleep(1) == 1  # 250 ms after a reply: still not idle
+            state = p.server.listeners["test"]
+            assert state.stats["idle_closed"] == 0
+            assert state.stats["accepted"] == 1
+    finally:
+        up.stop()
