@@ -221,6 +221,8 @@ def _path_text(value: object) -> object:
 
 
 def _url(value: str) -> str:
+    if not value.lower().startswith(("http://", "https://")):
+        raise ValueError("must be an http:// or https:// URL, e.g. http://127.0.0.1:4317")
     try:
         urlsplit(value).port  # (an unparsable host or a port out of range raises here)
     except ValueError as e:
@@ -244,7 +246,7 @@ LoadBalancer = Literal["round_robin", "random", "least_request", "peak_ewma"]
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -554,6 +556,13 @@ class Limits(_Model):
     max_requests: PositiveCount = 1024  # calls in flight
     max_retries: Count = 16  # retries in flight
 
+    @model_validator(mode="after")
+    def _some_may_wait(self) -> Limits:
+        if self.max_pending == 0:  # (as in Envoy; here a config error rather than a dead cluster)
+            raise _At("max_pending", "must be at least 1: a call waits while its connection is "
+                                     "opened, so 0 would refuse every call that needs a new one")
+        return self
+
 
 class CircuitBreaker(_Model):
     """Per endpoint; also the outlier ejection (open time grows per opening up to max_open_for)."""
@@ -699,6 +708,9 @@ def _name_listeners(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "listeners": named}
 
 
+_KNOWN_PROTOCOLS = frozenset(("binary", "binary_nonstrict", "compact"))
+
+
 def _cross_problems(data: dict[str, Any]) -> list[tuple[Loc, str]]:
     """Rules across sections, on the raw data so they run even when some fields are invalid."""
     problems: list[tuple[Loc, str]] = []
@@ -718,10 +730,17 @@ def _cross_problems(data: dict[str, Any]) -> list[tuple[Loc, str]]:
     listeners = data.get("listeners")
     unique("listener", listeners, "listeners")
 
-    # Every route's cluster exists (unless `clusters` itself is broken: its own errors say so).
+    # Every route's cluster exists (unless `clusters` itself is broken: its own errors say so),
+    # and speaks the listener's protocol if it names one (binary and binary_nonstrict are one
+    # wire format; protocols are never transcoded, so a mismatch would fail every call). A
+    # header or auto listener's clients say their protocol per message: checked per call.
     if clusters is None or isinstance(clusters, list):
+        speaks = {c.get("name"): c.get("protocol") for c in clusters or [] if isinstance(c, dict)}
         for i, listener in enumerate(listeners if isinstance(listeners, list) else []):
             routes = listener.get("routes") if isinstance(listener, dict) else None
+            client = None  # the protocol the listener's clients speak, when it says one
+            if isinstance(listener, dict) and listener.get("transport", "framed") in ("framed", "buffered"):
+                client = listener.get("protocol", "binary")
             for j, route in enumerate(routes if isinstance(routes, list) else []):
                 if not isinstance(route, dict):
                     continue
@@ -736,6 +755,11 @@ def _cross_problems(data: dict[str, Any]) -> list[tuple[Loc, str]]:
                         problems.append((("listeners", i, "routes", j, *sub),
                                          f"cluster '{ref}' is not defined"
                                          + (f" (did you mean '{hint[0]}'?)" if hint else "")))
+                    elif _KNOWN_PROTOCOLS.issuperset((client, speaks.get(ref))) and (
+                            (client == "compact") != (speaks.get(ref) == "compact")):
+                        problems.append((("listeners", i, "routes", j, *sub),
+                                         f"cluster '{ref}' speaks {speaks[ref]} but the listener "
+                                         f"speaks {client} (protocols are never transcoded)"))
 
     # No two sockets on one address (port 0 = any free port, never a clash).
     spots: list[tuple[Loc, Any]] = [(("metrics_listen",), data.get("metrics_listen"))]
@@ -776,7 +800,8 @@ def load(path: str | Path, again: bool = False) -> Config:
     except OSError as e:
         raise ConfigError([f"{filename}:0: (file): {e.strerror or e}"]) from None
     except UnicodeDecodeError as e:
-        raise ConfigError([f"{filename}:0: (file): not UTF-8 text ({e.reason})"]) from None
+        line = e.object.count(b"\n", 0, e.start) + 1
+        raise ConfigError([f"{filename}:{line}: (file): not UTF-8 text ({e.reason} at byte {e.start})"]) from None
     except ValueError as e:
         raise ConfigError([f"{filename}:0: (file): {e}"]) from None
     return loads(text, filename)
@@ -786,6 +811,11 @@ def loads(text: str, filename: str = "<string>") -> Config:
     """Validate config text; relative file paths in it resolve against `filename`'s folder."""
     try:
         data, lines, problems = _read_yaml(text)
+    except yaml.reader.ReaderError as e:  # (a character YAML does not allow; no mark, a position)
+        line = text.count("\n", 0, e.position) + 1
+        char = e.character if isinstance(e.character, int) else ord(e.character)
+        raise ConfigError([f"{filename}:{line}: (root): invalid YAML: unacceptable character "
+                           f"#x{char:04x}: {e.reason}"]) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         line = mark.line + 1 if mark is not None else 1
@@ -846,6 +876,7 @@ def _read_yaml(text: str) -> tuple[Any, dict[Loc, int], list[tuple[Loc, str]]]:
         if root is None:
             return None, {}, []
         _keys_as_text(root)
+        _bounded_expansion(root)
         problems = _duplicate_keys(loader, root)
         data = loader.construct_document(root)  # also applies `<<` merges to the node tree
         lines: dict[Loc, int] = {}
@@ -853,6 +884,41 @@ def _read_yaml(text: str) -> tuple[Any, dict[Loc, int], list[tuple[Loc, str]]]:
         return data, lines, problems
     finally:
         loader.dispose()
+
+
+MAX_EXPANDED_NODES = 200_000  # values a config may hold once its aliases are expanded
+
+
+def _bounded_expansion(root: yaml.Node) -> None:
+    """Refuse a document whose aliases expand past MAX_EXPANDED_NODES values (raises a
+    MarkedYAMLError at the anchored node that crosses it). Reading a config walks it expanded
+    (key-path lines, validation): ten nested aliases of ten items each are a ~500-byte file and
+    ten billion values, which would hold a reload's loop for minutes."""
+    sizes: dict[int, int] = {}
+
+    def size(node: yaml.Node) -> int:
+        known = sizes.get(id(node))
+        if known is not None:
+            return known
+        sizes[id(node)] = 1  # (an alias that contains itself counts once)
+        if isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            children = node.value
+        else:
+            children = []
+        total = 1
+        for child in children:
+            total += size(child)
+            if total > MAX_EXPANDED_NODES:
+                culprit = child if size(child) > MAX_EXPANDED_NODES else node
+                raise yaml.MarkedYAMLError(
+                    problem=f"its aliases expand to more than {MAX_EXPANDED_NODES:,} values",
+                    problem_mark=culprit.start_mark)
+        sizes[id(node)] = total
+        return total
+
+    size(root)
 
 
 def _key(loader: yaml.SafeLoader, node: yaml.Node) -> Any:

@@ -44,6 +44,7 @@ _BINARY_UNITS = (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
 # dot-separated labels of 1-63 characters (no empty label: `a..b` cannot be encoded for a lookup)
 _LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
 _HOSTNAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
+_DOTTED_NUMBERS = re.compile(r"[0-9.]+")  # what can only be meant as an IPv4 address
 
 
 def parse_duration(value: object) -> float:
@@ -163,6 +164,11 @@ def parse_address(value: object, *, allow_port_zero: bool = False) -> Address:
             raise ValueError("write IPv6 addresses in brackets, like [::1]:9090")
         if not _HOSTNAME.fullmatch(host) or len(host) > 253:
             raise ValueError(f"'{host}' is not a host name or IP address")
+        if _DOTTED_NUMBERS.fullmatch(host):  # (a top-level domain is never all digits)
+            try:
+                ipaddress.IPv4Address(host)
+            except ValueError:
+                raise ValueError(f"'{host}' is not an IPv4 address") from None
     low = 0 if allow_port_zero else 1
     if not (port_text.isascii() and port_text.isdigit()) or not low <= int(port_text) <= 65535:
         raise ValueError(f"port must be {low}-65535")

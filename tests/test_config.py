@@ -10,6 +10,8 @@ import math
 import os
 from pathlib import Path
 
+import time
+
 import pytest
 import yaml
 from hypothesis import given, settings
@@ -127,7 +129,7 @@ def test_section_defaults():
     assert cfg.admin.listen == Address("127.0.0.1", 9901) and cfg.admin.allow_remote is False
     assert cfg.tracing.exporter == "otlp"  # a tracing section without exporter means otlp
     assert cfg.tracing.path == Path("spans.jsonl")  # output file: left relative to the cwd
-    hc = loads(MINIMAL + "    transport: header\n    protocol: compact\n    health_check: {}\n")
+    hc = loads(MINIMAL + "    transport: header\n    protocol: binary\n    health_check: {}\n")
     assert (hc.clusters[0].health_check.interval, hc.clusters[0].health_check.timeout) == (5.0, 1.0)
 
 
@@ -285,6 +287,16 @@ ENDPOINTS = "[127.0.0.1:9191]"
     ("clusters:", "admin: {listen: '127.0.0.1:9090'}\nclusters:",
      ["2: listeners[0].listen: 127.0.0.1:9090 is already used by admin.listen"]),
     ("clusters:", "listner: 1\nclusters:", ["4: listner: unknown key (did you mean 'listeners'?)"]),
+    ("name: users\n", "name: users\n    limits: {max_pending: 0}\n",
+     ["6: clusters[0].limits.max_pending: must be at least 1: a call waits while its connection is "
+      "opened, so 0 would refuse every call that needs a new one"]),
+    ("name: users\n", "name: users\n    retry_budget: {min_per_second: .inf, ratio: .nan}\n",
+     ["6: clusters[0].retry_budget.ratio: must be a finite number",
+      "6: clusters[0].retry_budget.min_per_second: must be a finite number"]),
+    ("clusters:", "tracing: {otlp_protocol: http, endpoint: '127.0.0.1:4318'}\nclusters:",
+     ["4: tracing.endpoint: must be an http:// or https:// URL, e.g. http://127.0.0.1:4317"]),
+    ("clusters:", "tracing: {endpoint: 'ftp://127.0.0.1:4317'}\nclusters:",
+     ["4: tracing.endpoint: must be an http:// or https:// URL, e.g. http://127.0.0.1:4317"]),
     ("    routes:", "    transport: auto\n    protocol: binary_nonstrict\n    routes:",
      ["3: listeners[0].transport: auto cannot tell framed from buffered for protocol binary_nonstrict "
       "(both begin with a length): set framed or buffered"]),
@@ -294,6 +306,76 @@ def test_rule_errors(old, new, errors):
     with pytest.raises(ConfigError) as info:
         loads(MINIMAL.replace(old, new), "x.yaml")
     assert info.value.errors == [f"x.yaml:{e}" for e in errors]
+
+
+def _protocols(listener: str, cluster: str, routes: str = "[{cluster: users}]") -> str:
+    return f"""\
+listeners:
+  - listen: 127.0.0.1:9090{listener}
+    routes: {routes}
+clusters:
+  - name: users
+    endpoints: [127.0.0.1:9191]{cluster}
+"""
+
+
+MISMATCH = "x.yaml:{line}: listeners[0].routes[0].{at}: cluster 'users' speaks {theirs} but the " \
+           "listener speaks {ours} (protocols are never transcoded)"
+
+
+@pytest.mark.parametrize("listener, cluster, routes, at, ours, theirs", [
+    ("\n    protocol: compact", "\n    protocol: binary", "[{cluster: users}]", "cluster", "compact", "binary"),
+    ("", "\n    protocol: compact", "[{cluster: users}]", "cluster", "binary", "compact"),  # binary: the default
+    ("\n    transport: buffered\n    protocol: binary_nonstrict", "\n    protocol: compact",
+     "[{cluster: users}]", "cluster", "binary_nonstrict", "compact"),
+    ("\n    protocol: compact", "\n    protocol: binary_nonstrict",
+     "[{weighted: [{cluster: users, weight: 1}]}]", "weighted[0].cluster", "compact", "binary_nonstrict"),
+])
+def test_a_route_to_a_cluster_of_another_protocol_is_a_config_error(listener, cluster, routes, at, ours, theirs):
+    """Every call on it would fail ("not sent: ... protocols are never transcoded"): said at load."""
+    text = _protocols(listener, cluster, routes)
+    with pytest.raises(ConfigError) as info:
+        loads(text, "x.yaml")
+    line = 1 + text.splitlines().index(f"    routes: {routes}")
+    assert info.value.errors == [MISMATCH.format(line=line, at=at, ours=ours, theirs=theirs)]
+
+
+@pytest.mark.parametrize("listener, cluster", [
+    ("\n    protocol: binary", "\n    protocol: binary_nonstrict"),  # one wire format
+    ("\n    protocol: compact", "\n    protocol: compact"),
+    ("\n    protocol: compact", ""),  # the cluster speaks what the client spoke
+    ("\n    transport: header\n    protocol: compact", "\n    protocol: binary"),  # per message
+    ("\n    protocol: auto", "\n    protocol: compact"),
+])
+def test_routes_whose_protocols_may_agree_load(listener, cluster):
+    loads(_protocols(listener, cluster), "x.yaml")
+
+
+def test_aliases_that_expand_past_the_bound_are_refused_quickly():
+    """Ten nested aliases of ten items: a 1 KB file of ~10^10 values. Reading it expanded took
+    8 s and 700 MB at seven levels (a reload held the loop as long); now it is refused at the
+    anchor whose expansion crosses the bound, before anything walks it."""
+    text = "a0: &a0 [x]\n" + "".join(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 10))
+    text += "listeners: *a9\n"
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as info:
+        loads(text, "x.yaml")
+    assert info.value.errors == ["x.yaml:6: (root): invalid YAML: its aliases expand to more than 200,000 values"]
+    assert time.monotonic() - started < 5  # (before: hours; the check itself takes milliseconds)
+    loads(MINIMAL.replace("[127.0.0.1:9191]", "&e [127.0.0.1:9191]") + "  - {name: b, endpoints: *e}\n")
+
+
+def test_a_character_yaml_forbids_and_bytes_that_are_not_utf8_are_placed_on_their_line(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        loads(MINIMAL.replace("name: users", "name: us\x07ers"), "x.yaml")
+    assert info.value.errors == ["x.yaml:5: (root): invalid YAML: unacceptable character #x0007: "
+                                 "special characters are not allowed"]
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(MINIMAL.replace("users", "us\xe9rs").encode("latin-1"))
+    with pytest.raises(ConfigError) as info:
+        load(path)
+    at = MINIMAL.index("users") + 2  # (latin-1: a byte per character)
+    assert info.value.errors == [f"{path}:3: (file): not UTF-8 text (invalid continuation byte at byte {at})"]
 
 
 def test_admin_may_listen_remotely_when_allowed():
@@ -392,6 +474,8 @@ def test_parse_address(text, zero, address):
     ("::1:9090", False, "write IPv6 addresses in brackets, like [::1]:9090"),
     ("[nope]:9090", False, "'nope' is not an IPv6 address"),
     ("bad host:9090", False, "'bad host' is not a host name or IP address"),
+    ("256.1.1.1:9090", False, "'256.1.1.1' is not an IPv4 address"),
+    ("10.0.0:9090", False, "'10.0.0' is not an IPv4 address"),
 ])
 def test_parse_address_rejects(text, zero, message):
     with pytest.raises(ValueError) as info:

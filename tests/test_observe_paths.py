@@ -65,10 +65,12 @@ def test_a_theader_call_with_no_route_joins_the_clients_trace():
 
 def test_a_protocol_mismatch_is_not_sent_in_every_record():
     """A binary client on a cluster that speaks compact: outcome not_sent, and error.type says
-    the same (before: "error")."""
+    the same (before: "error"). (An `auto` listener: one that names its protocol is checked
+    against the cluster's at load.)"""
     up = ThriftServer("framed", "compact")
     try:
-        with Traced(_cfg(up.address, cluster="\n    protocol: compact"), ratio=0.0) as t:
+        with Traced(_cfg(up.address, listener="\n    protocol: auto", cluster="\n    protocol: compact"),
+                    ratio=0.0) as t:
             with client(t.port(), "framed", "binary") as c:
                 with pytest.raises(TApplicationException, match="never transcoded"):
                     c.lookup("x")

@@ -291,7 +291,8 @@ def test_limits_fail_fast_at_the_max(kind, key):
 
 
 def test_limits_zero_refuses_everything():
-    lim = ConcurrencyLimits(config.Limits(max_pending=0, max_retries=0))
+    # (the config refuses max_pending 0, see test_config; the policy itself still means it)
+    lim = ConcurrencyLimits(config.Limits.model_construct(max_pending=0, max_requests=1024, max_retries=0))
     assert lim.try_enter_pending() is False
     assert lim.try_enter_retry() is False
     assert lim.try_enter_request() is True
