@@ -6,6 +6,7 @@ Parsing only; each command calls into the module that owns the work.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -72,6 +73,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `check-config F | head -1`: the reader left; nothing to say to it
+        # (stdout's buffer still holds what could not be written: point it at /dev/null, so
+        # that flushing it at exit does not fail again)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "check-config":
         return _check_config(args.file)

@@ -366,6 +366,8 @@ def load_jaeger(url: str, service: str, limit: int = 1000, lookback: float = 360
     start = end - int(lookback * 1e6)
     query = urllib.parse.urlencode({"service": service, "limit": limit, "start": start, "end": end,
                                     "lookback": f"{int(lookback)}s"})
+    if not url.lower().startswith(("http://", "https://")):
+        raise HopsError(f"--jaeger {url}: must be an http:// or https:// URL, e.g. http://127.0.0.1:16686")
     full = f"{url.rstrip('/')}/api/traces?{query}"
     try:
         with urllib.request.urlopen(full, timeout=timeout) as resp:
@@ -377,7 +379,12 @@ def load_jaeger(url: str, service: str, limit: int = 1000, lookback: float = 360
         raise HopsError(f"{full}: {getattr(e, 'reason', e)}") from e
     except json.JSONDecodeError as e:
         raise HopsError(f"{full}: not JSON: {e.msg}") from e
-    return parse_jaeger(payload, service)
+    except ValueError as e:  # (a URL urllib cannot use, e.g. no host)
+        raise HopsError(f"{full}: {e}") from e
+    try:
+        return parse_jaeger(payload, service)
+    except (AttributeError, TypeError, KeyError, ValueError) as e:  # any other JSON answer
+        raise HopsError(f"{full}: not a Jaeger /api/traces answer ({type(e).__name__}: {e})") from e
 
 
 # --------------------------------------------------------------------------------------------

@@ -180,3 +180,17 @@ def test_readme_documents_every_span_attribute_key():
     missing = [k for k in keys if f"`{k}`" not in readme and f"`{k}," not in readme and f" `{k}`" not in readme]
     assert keys and not missing, missing
     assert spans.SEMCONV_VERSION in readme
+
+
+def test_check_config_into_a_pipe_closed_early_says_nothing_more():
+    """`check-config F | head -1`: the reader leaves after a line. Before: a BrokenPipeError
+    traceback on stderr (exit 1), in some runs. Here the pipe is closed before anything is
+    written, so it happens every time."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        r = subprocess.run([sys.executable, "-m", "proxy", "check-config", "config/example.yaml"], cwd=ROOT,
+                           stdout=write, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write)
+    assert r.returncode == 1 and r.stderr == "", r.stderr

@@ -136,3 +136,38 @@ def test_hops_jaeger_unknown_service_has_no_calls(jaeger_server):  # noqa: F811
 def test_hops_jaeger_unreachable_exits_2():
     r = th.hops("--jaeger", "http://127.0.0.1:9", "--service", "x", check=False)
     assert r.returncode == 2 and "127.0.0.1:9" in r.stderr
+
+
+@pytest.mark.parametrize("url, body, said", [
+    ("notaurl", None, "must be an http:// or https:// URL"),
+    ("http://", None, "no host given"),
+    ("{server}", b"[]", "not a Jaeger /api/traces answer (AttributeError"),
+    ("{server}", b'{"data": 5}', "not a Jaeger /api/traces answer (TypeError"),
+    ("{server}", b'{"data": [{"spans": 5}]}', "not a Jaeger /api/traces answer (TypeError"),
+])
+def test_hops_jaeger_bad_url_or_answer_is_one_line_exit_2(url, body, said):
+    """Before: a traceback (exit 1) for a URL urllib cannot use or JSON of another shape."""
+    import http.server
+    import threading
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        r = th.hops("--jaeger", url.format(server=f"http://127.0.0.1:{server.server_port}"), "--service", "x",
+                    check=False)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert r.returncode == 2, r.stderr
+    assert said in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
