@@ -10,9 +10,18 @@ import os
 import sys
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("thrift-sidecar")
+    except PackageNotFoundError:  # (run from a source tree that was never installed)
+        return "unknown (not installed)"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="thrift-sidecar",
                                 description="A localhost Thrift proxy sidecar with per-hop traces.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="serve until SIGTERM/SIGINT, then drain; SIGHUP reloads")

@@ -194,3 +194,9 @@ def test_check_config_into_a_pipe_closed_early_says_nothing_more():
     finally:
         os.close(write)
     assert r.returncode == 1 and r.stderr == "", r.stderr
+
+
+def test_version_is_the_installed_package_s():
+    from importlib.metadata import version
+    r = _cli("--version")
+    assert r.returncode == 0 and r.stdout == f"thrift-sidecar {version('thrift-sidecar')}\n", r
