@@ -711,6 +711,19 @@ def _name_listeners(data: dict[str, Any]) -> dict[str, Any]:
 _KNOWN_PROTOCOLS = frozenset(("binary", "binary_nonstrict", "compact"))
 
 
+def _overlap(a: Address, b: Address) -> bool:
+    """Two sockets that cannot both bind: the same port, one of them the wildcard of a family the
+    other belongs to (0.0.0.0: any IPv4 address or host name; `::`: any IPv6 address)."""
+    if a.port != b.port:
+        return False
+    for wild, other in ((a, b), (b, a)):
+        if wild.host == "0.0.0.0" and ":" not in other.host:
+            return True
+        if wild.host == "::" and ":" in other.host:
+            return True
+    return False
+
+
 def _cross_problems(data: dict[str, Any]) -> list[tuple[Loc, str]]:
     """Rules across sections, on the raw data so they run even when some fields are invalid."""
     problems: list[tuple[Loc, str]] = []
@@ -780,8 +793,13 @@ def _cross_problems(data: dict[str, Any]) -> list[tuple[Loc, str]]:
             continue
         if address in taken:
             problems.append((loc, f"{address} is already used by {_path(taken[address])}"))
-        else:
-            taken[address] = loc
+            continue
+        clash = next((other for other in taken if _overlap(address, other)), None)
+        if clash is not None:
+            problems.append((loc, f"{address} overlaps {clash} of {_path(taken[clash])} (a wildcard "
+                                  "address takes its port on every address of its family)"))
+            continue
+        taken[address] = loc
     return problems
 
 

@@ -286,6 +286,9 @@ ENDPOINTS = "[127.0.0.1:9191]"
      ["6: clusters[0].max_reply_size: must be 1-2147483647 bytes"]),
     ("clusters:", "admin: {listen: '127.0.0.1:9090'}\nclusters:",
      ["2: listeners[0].listen: 127.0.0.1:9090 is already used by admin.listen"]),
+    ("clusters:", "admin: {listen: '0.0.0.0:9090', allow_remote: true}\nclusters:",
+     ["2: listeners[0].listen: 127.0.0.1:9090 overlaps 0.0.0.0:9090 of admin.listen (a wildcard address "
+      "takes its port on every address of its family)"]),
     ("clusters:", "listner: 1\nclusters:", ["4: listner: unknown key (did you mean 'listeners'?)"]),
     ("name: users\n", "name: users\n    limits: {max_pending: 0}\n",
      ["6: clusters[0].limits.max_pending: must be at least 1: a call waits while its connection is "
