@@ -909,7 +909,7 @@ MAX_EXPANDED_NODES = 200_000  # values a config may hold once its aliases are ex
 
 def _bounded_expansion(root: yaml.Node) -> None:
     """Refuse a document whose aliases expand past MAX_EXPANDED_NODES values (raises a
-    MarkedYAMLError at the anchored node that crosses it). Reading a config walks it expanded
+    MarkedYAMLError at the first node that crosses it). Reading a config walks it expanded
     (key-path lines, validation): ten nested aliases of ten items each are a ~500-byte file and
     ten billion values, which would hold a reload's loop for minutes."""
     sizes: dict[int, int] = {}
@@ -928,11 +928,10 @@ def _bounded_expansion(root: yaml.Node) -> None:
         total = 1
         for child in children:
             total += size(child)
-            if total > MAX_EXPANDED_NODES:
-                culprit = child if size(child) > MAX_EXPANDED_NODES else node
+            if total > MAX_EXPANDED_NODES:  # (the first, so the smallest, node past it)
                 raise yaml.MarkedYAMLError(
                     problem=f"its aliases expand to more than {MAX_EXPANDED_NODES:,} values",
-                    problem_mark=culprit.start_mark)
+                    problem_mark=node.start_mark)
         sizes[id(node)] = total
         return total
 
