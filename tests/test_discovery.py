@@ -210,11 +210,9 @@ print("loop closed", flush=True)  # and the process exits though hang.test's loo
 """
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler for the getaddrinfo shim")
-def test_hung_system_lookups_leave_connect_time_lookups_alone(tmp_path):
-    """The real system resolver, hung (an LD_PRELOAD shim), under uvloop in a child process:
-    ten rounds make one lookup, on discovery's threads; `loop.getaddrinfo` (what a connect to
-    a host name uses) still answers; the process exits with that lookup still hung."""
+def _with_hung_resolver(tmp_path: Path, script: str) -> tuple[str, Path]:
+    """Run `script` in a child Python whose getaddrinfo("hang.test") hangs (HANG_SHIM) until it
+    exits; its output (it must exit 0) and the file with a line per such lookup."""
     (tmp_path / "shim.c").write_text(HANG_SHIM)
     subprocess.run(["cc", "-shared", "-fPIC", "-o", tmp_path / "shim.so", tmp_path / "shim.c", "-ldl"],
                    check=True)
@@ -223,12 +221,21 @@ def test_hung_system_lookups_leave_connect_time_lookups_alone(tmp_path):
     env = {**os.environ, "LD_PRELOAD": str(tmp_path / "shim.so"), "HANG_FLAG": str(flag),
            "HANG_LOG": str(lookups)}
     try:
-        child = subprocess.run([sys.executable, "-c", HANG_CHILD], cwd=Path(__file__).parent.parent,
-                               env=env, capture_output=True, text=True, timeout=60)
+        child = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent.parent,
+                               env=env, capture_output=True, text=True, timeout=90)
     finally:
         flag.unlink()
     out = child.stdout + child.stderr
     assert child.returncode == 0, out
+    return out, lookups
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler for the getaddrinfo shim")
+def test_hung_system_lookups_leave_connect_time_lookups_alone(tmp_path):
+    """The real system resolver, hung (an LD_PRELOAD shim), under uvloop in a child process:
+    ten rounds make one lookup, on discovery's threads; `loop.getaddrinfo` (what a connect to
+    a host name uses) still answers; the process exits with that lookup still hung."""
+    out, lookups = _with_hung_resolver(tmp_path, HANG_CHILD)
     assert "still running" in out and "connect-time lookup answered" in out and "loop closed" in out
     assert lookups.read_text().count("lookup") == 1, out
 
@@ -278,20 +285,7 @@ def test_reloads_and_clusters_share_a_hung_lookup_of_the_same_name(tmp_path):
     all, so one of discovery's threads held, not one per source a reload left behind (before,
     each rebuilt source started its own: after four reloads every thread hung, and a cluster
     whose name did answer waited behind them). Every source says its lookup is still running."""
-    (tmp_path / "shim.c").write_text(HANG_SHIM)
-    subprocess.run(["cc", "-shared", "-fPIC", "-o", tmp_path / "shim.so", tmp_path / "shim.c", "-ldl"],
-                   check=True)
-    flag, lookups = tmp_path / "hang.flag", tmp_path / "lookups.log"
-    flag.touch()
-    env = {**os.environ, "LD_PRELOAD": str(tmp_path / "shim.so"), "HANG_FLAG": str(flag),
-           "HANG_LOG": str(lookups)}
-    try:
-        child = subprocess.run([sys.executable, "-c", RELOAD_CHILD], cwd=Path(__file__).parent.parent,
-                               env=env, capture_output=True, text=True, timeout=90)
-    finally:
-        flag.unlink()
-    out = child.stdout + child.stderr
-    assert child.returncode == 0, out
+    out, lookups = _with_hung_resolver(tmp_path, RELOAD_CHILD)
     assert "reloaded 6" in out and "connect-time lookup answered" in out and "loop closed" in out, out
     assert out.count("still running") >= 2, out
     assert lookups.read_text().count("lookup") == 1, out
