@@ -708,7 +708,7 @@ def _name_listeners(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "listeners": named}
 
 
-_KNOWN_PROTOCOLS = frozenset(("binary", "binary_nonstrict", "compact"))
+_KNOWN_PROTOCOLS = frozenset(get_args(ProtocolName))
 
 
 def _overlap(a: Address, b: Address) -> bool:
@@ -752,8 +752,9 @@ def _cross_problems(data: dict[str, Any]) -> list[tuple[Loc, str]]:
         for i, listener in enumerate(listeners if isinstance(listeners, list) else []):
             routes = listener.get("routes") if isinstance(listener, dict) else None
             client = None  # the protocol the listener's clients speak, when it says one
-            if isinstance(listener, dict) and listener.get("transport", "framed") in ("framed", "buffered"):
-                client = listener.get("protocol", "binary")
+            if isinstance(listener, dict) and listener.get(
+                    "transport", Listener.model_fields["transport"].default) in ("framed", "buffered"):
+                client = listener.get("protocol", Listener.model_fields["protocol"].default)
             for j, route in enumerate(routes if isinstance(routes, list) else []):
                 if not isinstance(route, dict):
                     continue

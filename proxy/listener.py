@@ -553,10 +553,11 @@ class ClientConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.paused_writing = False
+        now = monotonic_ns()
         if self._idle_timer is not None:
-            self._last_active = monotonic_ns()
+            self._last_active = now
         if self.stream_call is not None:
-            self.stream_call.client_paused_ns += monotonic_ns() - self._paused_at
+            self.stream_call.client_paused_ns += now - self._paused_at
         if self.stream_up is not None:
             self.stream_up.resume_reading()
         self._maybe_resume()
