@@ -54,6 +54,7 @@ import enum
 from typing import Callable
 
 from proxy import calls, config
+from proxy.codec.wire import AppErrorType
 from proxy.window import SlidingCounts
 from proxy.units import format_duration
 
@@ -201,6 +202,19 @@ class Breaker:
 
 _SUCCESS = frozenset({calls.SUCCESS, calls.DECLARED_EXCEPTION})
 _FAILURE = frozenset({calls.APP_EXCEPTION, calls.MAY_HAVE_RUN, calls.TIMEOUT})
+
+
+# TApplicationException types a server answers with because of the request it was given: a
+# method it does not have, a message type or name it cannot take, arguments it cannot read, a
+# transform, protocol or client type it does not speak. Like a declared exception they say
+# nothing about the endpoint's health, so one client calling a method no server has cannot open
+# every endpoint's breaker (Envoy's thrift_proxy counts them as failures). The others count as
+# failures: UNKNOWN (0), BAD_SEQUENCE_ID, MISSING_RESULT, INTERNAL_ERROR (its handler raised),
+# types past 10 (fbthrift's LOADSHEDDING, TIMEOUT, ...) and a type the reply does not show.
+REQUEST_FAULTS = frozenset({AppErrorType.UNKNOWN_METHOD, AppErrorType.INVALID_MESSAGE_TYPE,
+                            AppErrorType.WRONG_METHOD_NAME, AppErrorType.PROTOCOL_ERROR,
+                            AppErrorType.INVALID_TRANSFORM, AppErrorType.INVALID_PROTOCOL,
+                            AppErrorType.UNSUPPORTED_CLIENT_TYPE})
 
 
 def classify_for_breaker(outcome: str, endpoint_fault: bool = True) -> bool | None:

@@ -35,7 +35,7 @@ from typing import Mapping
 
 from proxy import calls
 from proxy import config as cfgmod
-from proxy.breaker import CLOSED, classify_for_breaker
+from proxy.breaker import CLOSED, REQUEST_FAULTS, classify_for_breaker
 from proxy.calls import Attempt, Call, Upload
 from proxy.clock import STALL_GRACE
 from proxy.codec.rename import strip_service
@@ -406,8 +406,10 @@ class Pipeline:
         attempt.reply_size = len(reply.data)
         call = attempt.call
         field = None
+        blame = True
         if reply.type == M_EXCEPTION:
             outcome = calls.APP_EXCEPTION
+            blame = reply.exception_type() not in REQUEST_FAULTS  # a method it lacks: not its health
         else:
             try:
                 field = reply.result_field()
@@ -433,7 +435,7 @@ class Pipeline:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%r replied: %d bytes, outcome %s", attempt, attempt.reply_size, outcome)
             return
-        self._end_attempt(attempt, outcome)
+        self._end_attempt(attempt, outcome, blame=blame)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%r replied: %d bytes, outcome %s", attempt, attempt.reply_size, outcome)
         if call.cancelled or attempt is not call.attempt:

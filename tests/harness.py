@@ -578,8 +578,10 @@ def reply_bytes(name: bytes, seqid: int, payload: bytes = b"raw") -> bytes:
 
 
 def request_bytes(framing: str, protocol: str, method: str, *args, seqid: int = 1,
-                  service: str | None = None) -> bytes:
-    """The exact bytes a generated client writes for `method(*args)`."""
+                  service: str | None = None, idl: str | None = None) -> bytes:
+    """The exact bytes a generated client writes for `method(*args)`: `service`'s client,
+    multiplexed; `idl` names the service whose client writes it unmultiplexed (default
+    TestService)."""
     buf = TTransport.TMemoryBuffer()
     if framing in ("header", "framed_header"):
         trans = TTransport.TFramedTransport(buf) if framing == "framed_header" else buf
@@ -589,7 +591,7 @@ def request_bytes(framing: str, protocol: str, method: str, *args, seqid: int = 
         prot = _protocol_factory(framing, protocol).getProtocol(trans)
     if service is not None:
         prot = TMultiplexedProtocol.TMultiplexedProtocol(prot, service)
-    cls = AdminService.Client if service == "AdminService" else TestService.Client
+    cls = AdminService.Client if (service or idl) == "AdminService" else TestService.Client
     c = cls(prot)
     c._seqid = seqid
     getattr(c, "send_" + method)(*args)

@@ -8,10 +8,12 @@ touching its payload bytes, adding THeader info headers where asked.
 from __future__ import annotations
 
 import pytest
+from hypothesis import example, given, strategies as st
 from thrift.Thrift import TApplicationException, TMessageType
 
 import codec_fixtures as cf
 from proxy.codec import AppErrorType, Decoder, Framing, Head, Message, Protocol, exception_reply, reframe
+from proxy.codec.heads import peek_exception_type
 from sidecar_test import AdminService, TestService
 
 REPLY_CASES = [
@@ -187,3 +189,34 @@ def test_reframe_header_to_header_without_changes_keeps_the_block():
         assert out == len(padded).to_bytes(4, "big") + padded
         back = reframe(decode(out, Framing.FRAMED_HEADER, protocol), Framing.HEADER)
         assert back == padded
+
+
+# -- the type of an upstream's TApplicationException (what the breaker reads) ------------
+
+@pytest.mark.parametrize("wire", cf.WIRES, ids=str)
+@pytest.mark.parametrize("message", ["", "Unknown function add", "é" * 300, None])
+def test_exception_type_is_read_from_what_apache_thrift_writes(wire, message):
+    for app_type in (0, 1, 6, 7, 10, 11, -1, 2**31 - 1, -2**31):
+        data = cf.application_exception(wire, "lookup", 7, app_type, message)
+        m = decode(data, wire.framing, wire.protocol)
+        assert m.exception_type() == app_type, (app_type, message)
+
+
+@pytest.mark.parametrize("protocol", [Protocol.BINARY, Protocol.COMPACT, Protocol.BINARY_NONSTRICT])
+def test_exception_type_of_a_cut_or_odd_struct_is_unknown_never_an_error(protocol):
+    wire = cf.Wire(Framing.FRAMED, protocol)
+    m = decode(cf.application_exception(wire, "add", 1, 1, "Unknown function add"), Framing.FRAMED, protocol)
+    plain, body = bytes(m.readable), m.body
+    for end in range(body, len(plain)):  # every cut: the type, or None; never a wrong one, never a raise
+        assert peek_exception_type(plain, body, end, protocol) in (None, 1)
+    assert peek_exception_type(plain, body, len(plain), protocol) == 1
+    # a struct field before the type: not skipped, so the type is unknown
+    first = bytes([0x0C, 0, 3]) if protocol is not Protocol.COMPACT else bytes([0x3C])
+    assert peek_exception_type(plain[:body] + first + plain[body:], body, len(plain) + len(first), protocol) is None
+
+
+@given(st.binary(max_size=64), st.sampled_from([Protocol.BINARY, Protocol.COMPACT]))
+@example(bytes([0x25] + [0xFF] * 6 + [0x7F]), Protocol.COMPACT)  # an i32 varint of 49 bits
+def test_exception_type_never_raises_on_garbage(data, protocol):
+    t = peek_exception_type(data, 0, len(data), protocol)
+    assert t is None or -2**31 <= t < 2**31

@@ -16,8 +16,8 @@ from collections import deque
 import pytest
 from thrift.Thrift import TApplicationException
 
-from harness import (STRICT_REPLY, Proxy, RawUpstream, app_exception, config_text, read_messages, reply_bytes,
-                     request_bytes, small_window_client)
+from harness import (STRICT_REPLY, Proxy, RawUpstream, ThriftServer, app_exception, client, config_text, read_messages,
+                     reply_bytes, request_bytes, small_window_client)
 from proxy.codec import MessageType
 
 MiB = 1024 * 1024
@@ -295,3 +295,35 @@ def test_client_gone_mid_stream_releases_the_upstream_connection(upstream):
         assert snap["open"] == 0, snap
         assert _call(p.port(), "lookup", "after", seqid=9).type == MessageType.REPLY
         assert upstream.accepts == 2
+
+
+@pytest.mark.parametrize("framing,protocol", [("framed", "binary"), ("buffered", "compact"), ("header", "compact")])
+def test_a_method_the_server_lacks_does_not_open_its_breaker_a_failing_handler_does(framing, protocol):
+    """The real Apache Thrift server answers a method it does not have with UNKNOWN_METHOD: the
+    client's doing, so it counts neither way on the breaker. A handler that raises
+    (INTERNAL_ERROR) is the endpoint's failure and opens it."""
+    up = ThriftServer(framing, protocol)
+    text = config_text([up.address], transport=framing, protocol=protocol,
+                       extra_cluster="\n    circuit_breaker: {consecutive_failures: 3, open_for: 30s}")
+    try:
+        with Proxy(text) as p:
+            (ep,) = p.server.clusters["up"].endpoints
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                for seqid in range(10, 22):  # 12 calls, 4 × the breaker's consecutive_failures
+                    s.sendall(request_bytes(framing, protocol, "add", 1, 2, seqid=seqid, idl="AdminService"))
+                    (r,) = read_messages(s, 1, framing, protocol)
+                    assert (r.name, r.seqid, r.type) == ("add", seqid, MessageType.EXCEPTION)
+                    x = app_exception(r)
+                    assert x.type == TApplicationException.UNKNOWN_METHOD, x.message
+                    assert not x.message.startswith("thrift-sidecar"), x.message  # the server's own answer
+            assert ep.breaker.state_name == "closed"
+            with client(p.port(), framing, protocol) as c:
+                assert c.lookup("a") == "upstream:a"  # still picked
+                up.handler.throw.add("lookup")
+                for _ in range(3):
+                    with pytest.raises(TApplicationException) as ei:
+                        c.lookup("b")
+                    assert ei.value.type == TApplicationException.INTERNAL_ERROR
+            assert ep.breaker.state_name == "open"
+    finally:
+        up.stop()

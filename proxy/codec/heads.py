@@ -21,7 +21,20 @@ from proxy.codec.wire import (
     P_COMPACT,
     MessageType,
     Protocol,
+    C_BINARY,
+    C_BYTE,
+    C_DOUBLE,
+    C_FALSE,
+    C_I16,
+    C_I32,
+    C_I64,
+    C_TRUE,
+    T_BOOL,
+    T_BYTE,
+    T_DOUBLE,
+    T_I16,
     T_I32,
+    T_I64,
     T_STOP,
     T_STRING,
 )
@@ -217,3 +230,79 @@ def peek_result_field(buf, body: int, end: int, protocol: Protocol) -> int | Non
     if end - body < 3:
         raise ProtocolError("bad reply: truncated result field header")
     return _I16.unpack_from(buf, body + 1)[0]
+
+
+# Bytes a field's value takes, for the fixed-size types an exception struct may carry before its
+# `type` (binary protocol; compact's integers are varints, see _COMPACT_VARINT).
+_BINARY_FIXED = {T_BOOL: 1, T_BYTE: 1, T_I16: 2, T_I32: 4, T_DOUBLE: 8, T_I64: 8}
+_COMPACT_FIXED = {C_TRUE: 0, C_FALSE: 0, C_BYTE: 1, C_DOUBLE: 8}
+_COMPACT_VARINT = frozenset({C_I16, C_I32, C_I64})
+
+
+def peek_exception_type(buf, body: int, end: int, protocol: Protocol) -> int | None:
+    """The `type` (field 2, i32) of the TApplicationException an EXCEPTION message carries.
+
+    Walks the struct's fields up to that one, skipping strings and fixed-size values (the
+    message, field 1, comes first). None when the struct has no type, is cut short, or holds a
+    field of another kind before it: the caller then knows nothing about the type. Never raises.
+    """
+    pos = body
+    if protocol is P_COMPACT:
+        last = 0
+        while pos < end:
+            b = buf[pos]
+            pos += 1
+            if b == C_STOP:
+                return None
+            ctype = b & 0x0F
+            if b >> 4:
+                fid = last + (b >> 4)
+            else:
+                r = _read_varint_or_none(buf, pos, end)
+                if r is None:
+                    return None
+                z, pos = r
+                fid = (z >> 1) ^ -(z & 1)
+            last = fid
+            if ctype in _COMPACT_VARINT:
+                r = _read_varint_or_none(buf, pos, end)
+                if r is None:
+                    return None
+                z, pos = r
+                if fid == 2 and ctype == C_I32:
+                    z &= 0xFFFFFFFF  # (a varint may claim more bits than an i32 has)
+                    return (z >> 1) ^ -(z & 1)
+            elif ctype == C_BINARY:
+                r = _read_varint_or_none(buf, pos, end)
+                if r is None:
+                    return None
+                pos = r[1] + r[0]
+            elif ctype in _COMPACT_FIXED:
+                pos += _COMPACT_FIXED[ctype]
+            else:
+                return None
+        return None
+    while pos + 3 <= end:
+        ftype = buf[pos]
+        if ftype == T_STOP:
+            return None
+        fid = _I16.unpack_from(buf, pos + 1)[0]
+        pos += 3
+        if ftype == T_I32 and fid == 2:
+            return _I32.unpack_from(buf, pos)[0] if pos + 4 <= end else None
+        if ftype == T_STRING:
+            if pos + 4 > end:
+                return None
+            pos += 4 + _U32.unpack_from(buf, pos)[0]
+        elif ftype in _BINARY_FIXED:
+            pos += _BINARY_FIXED[ftype]
+        else:
+            return None
+    return None
+
+
+def _read_varint_or_none(buf, pos: int, end: int) -> tuple[int, int] | None:
+    try:
+        return read_varint(buf, pos, end)
+    except ProtocolError:
+        return None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import struct
 
 from proxy.codec.errors import Head
-from proxy.codec.heads import MAX_NAME_LENGTH, peek_result_field
+from proxy.codec.heads import MAX_NAME_LENGTH, peek_exception_type, peek_result_field
 from proxy.codec.theader import HeaderBlock, inflate_all
 from proxy.codec.twins import load, pure_forced
 from proxy.codec.wire import DEFAULT_MAX_FRAME_SIZE, Framing, MessageType, Protocol
@@ -101,6 +101,11 @@ class Message(_c.MessageBase if _c is not None else _Fields):
         """First field id of a REPLY's result struct: None (void), 0 (success), >= 1 (exception)."""
         readable = self.readable
         return peek_result_field(readable, self.body, len(readable), self.protocol)
+
+    def exception_type(self) -> int | None:
+        """An EXCEPTION's TApplicationException type (`AppErrorType` numbering), None if unreadable."""
+        readable = self.readable
+        return peek_exception_type(readable, self.body, len(readable), self.protocol)
 
     def __reduce__(self):
         """Copies and pickles the same whichever storage holds the fields (C has no default)."""
