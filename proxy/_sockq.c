@@ -4,6 +4,7 @@
  *
  *   unsent_bytes(fd)   SIOCOUTQNSD: bytes written and not yet sent to the peer; 0 on error
  *   unread_bytes(fd)   FIONREAD: bytes that arrived and are not read yet; 0 on error
+ *   peer_closed(fd)    a FIN or a reset from the peer is waiting unread (recv MSG_PEEK)
  *
  * Why compiled: the listener asks SIOCOUTQNSD after every reply it writes (the write_response
  * hop). `fcntl.ioctl` costs about 1 µs there, and it releases the GIL around the call: with
@@ -13,7 +14,9 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <sys/ioctl.h>
+#include <sys/socket.h>
 
 #ifdef __linux__
 #include <linux/sockios.h>
@@ -46,11 +49,35 @@ unread_bytes(PyObject *module, PyObject *fd)
     return queue_size(fd, FIONREAD);
 }
 
+/* Before a pooled upstream connection takes a call: has the upstream closed it already? Its
+ * FIN may sit unread in the kernel behind the reply just read (libuv stops reading at a short
+ * read), so the transport has not said so yet; a request written on it would be lost and the
+ * call told "may have run". One non-blocking peek, nothing consumed. FIONREAD cannot tell: a
+ * FIN is no byte. Bytes waiting (a TLS record) are not a close. */
+static PyObject *
+peer_closed(PyObject *module, PyObject *arg)
+{
+    long fd = PyLong_AsLong(arg);
+    if (fd == -1 && PyErr_Occurred())
+        return NULL;
+    if (fd < 0 || fd > INT_MAX)
+        Py_RETURN_FALSE;
+    char b;
+    ssize_t n = recv((int)fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n == 0)
+        Py_RETURN_TRUE;
+    if (n < 0 && (errno == ECONNRESET || errno == EPIPE || errno == ETIMEDOUT || errno == ECONNABORTED))
+        Py_RETURN_TRUE;
+    Py_RETURN_FALSE;  /* bytes waiting, nothing yet (EAGAIN), or not a socket we can tell about */
+}
+
 static PyMethodDef module_methods[] = {
     {"unsent_bytes", unsent_bytes, METH_O,
      "unsent_bytes(fd)\n\nBytes written to a TCP socket not yet sent to the peer (SIOCOUTQNSD); 0 on error."},
     {"unread_bytes", unread_bytes, METH_O,
      "unread_bytes(fd)\n\nBytes arrived on a TCP socket not read yet (FIONREAD); 0 on error."},
+    {"peer_closed", peer_closed, METH_O,
+     "peer_closed(fd)\n\nWhether the peer's FIN or reset waits unread on a TCP socket (a MSG_PEEK recv)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -158,7 +158,7 @@ class Pool:
         idle = self.idle
         while idle:
             conn = idle.pop()
-            if not conn.closed:
+            if not conn.closed and not conn.closed_by_peer():
                 return conn
         return None
 
@@ -192,7 +192,9 @@ class Pool:
             # A stream's last chunk can fill the client's buffer, pausing this connection's
             # reading (backpressure) just as it finishes: never lend out a paused connection.
             conn.resume_reading()
-        if self.waiters and self._serve(conn, None):
+        if self.waiters and not conn.closed_by_peer() and self._serve(conn, None):
+            return  # (closed by the upstream: discarded, and forget() offered its slot to the waiters)
+        if conn.closed:
             return
         if self.closed:
             conn.abandon()

@@ -82,6 +82,29 @@ def pure_unread_bytes(fd: int) -> int:
     return _IN[0]
 
 
+def pure_peer_closed(fd: int) -> bool:
+    """Whether the peer's FIN or reset waits unread on a TCP socket: a non-blocking MSG_PEEK
+    recv of one byte gives 0 bytes (or a reset). Bytes waiting are not a close (a TLS record).
+    The reference for the compiled `proxy._sockq.peer_closed` (this one builds a socket object
+    around the fd, not owned: detached again)."""
+    if fd < 0:
+        return False
+    try:
+        s = socket.socket(fileno=fd)
+    except OSError:
+        return False
+    try:
+        return s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except (ConnectionResetError, BrokenPipeError, TimeoutError, ConnectionAbortedError):
+        return True
+    except OSError:
+        return False
+    finally:
+        s.detach()
+
+
 _TCPI_BYTES_SENT = struct.Struct("=QQ")  # struct tcp_info's tcpi_bytes_sent, tcpi_bytes_retrans (Linux >= 4.19)
 _TCPI_BYTES_SENT_AT = 200
 
@@ -116,3 +139,4 @@ _sockq = None if pure_forced() else load("proxy._sockq")
 SOCKQ_IMPL = "c" if _sockq is not None else "python"  # which twin runs (tests/test_sockets.py)
 unsent_bytes = _sockq.unsent_bytes if _sockq is not None else pure_unsent_bytes
 unread_bytes = _sockq.unread_bytes if _sockq is not None else pure_unread_bytes
+peer_closed = _sockq.peer_closed if _sockq is not None else pure_peer_closed

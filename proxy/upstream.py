@@ -44,7 +44,7 @@ from proxy.codec.heads import peek_result_field, read_head
 from proxy.codec.stream import UnframedStream
 from proxy.codec.theader import parse_header_block
 from proxy import splice
-from proxy.sockets import set_nodelay, unread_bytes, unsent_bytes
+from proxy.sockets import peer_closed, set_nodelay, unread_bytes, unsent_bytes
 from proxy.tls import refusal
 
 _I32 = struct.Struct("!i")
@@ -546,6 +546,22 @@ class UpstreamConnection(asyncio.Protocol):
                 self.transport.resume_reading()
 
     def eof_received(self) -> bool:
+        """The upstream closed its side (FIN). A connection no call is on leaves the pool now,
+        not at connection_lost (a later loop turn): a call leased in between would be written
+        nowhere and told "may have run". One a call is on fails at connection_lost, as before."""
+        if self.exchange_ is None and not self.closed:
+            self.closed = True
+            if self.owned:
+                self.pool.forget(self)
+        return False
+
+    def closed_by_peer(self) -> bool:
+        """Before this pooled connection takes a call: did the upstream close it already? (Its
+        FIN or reset may wait unread behind the reply just read: the transport has not said so
+        yet.) Such a connection is discarded here, and a new one is to be had instead."""
+        if self.transport.is_closing() or peer_closed(self.fd):
+            self._discard()
+            return True
         return False
 
     def pause_writing(self) -> None:

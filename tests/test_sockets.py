@@ -25,6 +25,7 @@ def test_compiled_socket_queues_are_built():
         "proxy._sockq is not built: `pip install -e .` (make deps) compiles proxy/_sockq.c")
     assert sockets.SOCKQ_IMPL == "c"
     assert sockets.unsent_bytes is _sockq.unsent_bytes and sockets.unread_bytes is _sockq.unread_bytes
+    assert sockets.peer_closed is _sockq.peer_closed
 
 
 def _pair() -> tuple[socket.socket, socket.socket]:
@@ -99,6 +100,41 @@ def test_twins_agree_on_fds_that_are_not_tcp_sockets():
         os.close(r)
         os.close(w)
         udp.close()
+
+
+def _closed_both(fd: int) -> bool:
+    pure, compiled = sockets.pure_peer_closed(fd), _sockq.peer_closed(fd)
+    assert pure == compiled, fd
+    return compiled
+
+
+@pytest.mark.skipif(_sockq is None, reason="proxy._sockq not built")
+def test_twins_agree_on_a_peers_close_waiting_unread():
+    """peer_closed: the FIN (or reset) waiting behind bytes not read yet is seen; bytes alone
+    are not a close; nothing is consumed by looking."""
+    a, b = _pair()
+    c, d = _pair()
+    r, w = os.pipe()
+    try:
+        assert not _closed_both(a.fileno())  # nothing yet
+        b.sendall(b"reply")
+        time.sleep(0.02)
+        assert not _closed_both(a.fileno())  # bytes waiting are not a close
+        b.shutdown(socket.SHUT_WR)
+        time.sleep(0.02)
+        assert a.recv(100) == b"reply"  # the look consumed nothing
+        assert _closed_both(a.fileno())  # the FIN, unread
+        d.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        d.close()  # a reset
+        time.sleep(0.02)
+        assert _sockq.peer_closed(c.fileno()) is True
+        for fd in (r, w, -1, 1 << 20):  # not a TCP socket: nothing to tell
+            assert _closed_both(fd) is False, fd
+    finally:
+        for s in (a, b, c):
+            s.close()
+        os.close(r)
+        os.close(w)
 
 
 def test_sent_bytes_counts_what_left_the_send_queue_and_survives_a_reset():

@@ -327,3 +327,88 @@ def test_a_method_the_server_lacks_does_not_open_its_breaker_a_failing_handler_d
             assert ep.breaker.state_name == "open"
     finally:
         up.stop()
+
+
+class _Closer(RawUpstream):
+    """Answers every call; closes its side of a connection (FIN, never a reset: it reads on and
+    records what still comes) when told (`fin()`: every connection, idle), or with its first
+    reply (`with_reply`: the reply and the FIN in one TCP segment, corked)."""
+
+    def __init__(self, with_reply: bool = False) -> None:
+        super().__init__()
+        self.with_reply = with_reply
+        self.after_fin: list = []  # requests that reached a connection after its FIN
+        self.finned: set = set()
+        self.lock = threading.Lock()
+
+    def fin(self) -> None:
+        with self.lock:
+            for c in self.conns:
+                if c not in self.finned:
+                    self.finned.add(c)
+                    c.shutdown(socket.SHUT_WR)
+
+    def _one(self, c: socket.socket) -> None:
+        for name, seqid in self.requests(c):
+            with self.lock:
+                if c in self.finned:
+                    self.after_fin.append((name, seqid))
+                    continue
+                data = reply_bytes(name, seqid, b"ok")
+                if self.with_reply:
+                    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)  # FIN rides on the reply's segment
+                    c.sendall(data)
+                    self.finned.add(c)
+                    c.shutdown(socket.SHUT_WR)
+                else:
+                    c.sendall(data)
+
+
+def _incr(s: socket.socket, seqid: int) -> str:
+    s.sendall(request_bytes("framed", "binary", "incr", "k", seqid=seqid))
+    (m,) = read_messages(s, 1, timeout=5)
+    assert m.seqid == seqid
+    return "ok" if m.type == MessageType.REPLY else app_exception(m).message
+
+
+def test_an_idle_connection_the_upstream_closed_never_takes_a_call():
+    """The upstream closes an idle pooled connection (FIN) while the proxy's loop is busy; a
+    non-idempotent call arrives in the same loop turn. It must go out on a new connection, not
+    be written nowhere and told "may have run" (before: every round failed so)."""
+    up = _Closer()
+    try:
+        with Proxy(config_text([up.address])) as p, socket.create_connection(("127.0.0.1", p.port())) as s:
+            assert _incr(s, 1) == "ok"
+            for seqid in range(2, 7):
+                p.loop.call_soon_threadsafe(time.sleep, 0.1)  # the proxy's loop is busy ...
+                time.sleep(0.02)
+                up.fin()  # ... as the upstream closes the idle connection
+                time.sleep(0.01)
+                assert _incr(s, seqid) == "ok"  # and the call comes in the same loop turn
+            assert up.after_fin == []
+            assert up.connections == 6
+    finally:
+        up.close()
+
+
+def test_a_connection_closed_with_its_reply_is_not_lent_to_a_waiting_call():
+    """The upstream closes a connection with its reply (FIN in the reply's segment, as a server
+    with a per-connection request limit may): the call waiting for the pool's only connection
+    gets a new one. libuv stops reading at the short read, so only a look at the socket sees
+    the FIN before the waiting request would be written on it."""
+    up = _Closer(with_reply=True)
+    text = config_text([up.address], extra_cluster="\n    pool: {max_connections: 1, acquire_timeout: 5s}")
+    try:
+        with Proxy(text) as p:
+            for round_ in range(5):
+                with (socket.create_connection(("127.0.0.1", p.port())) as s1,
+                      socket.create_connection(("127.0.0.1", p.port())) as s2):
+                    p.loop.call_soon_threadsafe(time.sleep, 0.1)  # both requests are read in one turn
+                    s1.sendall(request_bytes("framed", "binary", "incr", "k", seqid=1))
+                    s2.sendall(request_bytes("framed", "binary", "incr", "k", seqid=2))
+                    for s in (s1, s2):
+                        (m,) = read_messages(s, 1, timeout=5)
+                        assert m.type == MessageType.REPLY, (round_, app_exception(m).message)
+            assert up.after_fin == []
+    finally:
+        up.close()
