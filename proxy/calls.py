@@ -146,6 +146,10 @@ class Upload:
             self.held_ns += monotonic_ns() - self._held_at
         self.client.hold_upload(on)
 
+    def held_for(self, now: int) -> int:
+        """Nanoseconds the client was held back so far, the hold going on now included."""
+        return self.held_ns + (now - self._held_at if self.paused else 0)
+
     @property
     def size(self) -> int:
         return self.total if self.total is not None else self.received

@@ -942,20 +942,32 @@ class ClientConnection(asyncio.Protocol):
         if self.t_first != t_first:  # another request started since: re-arm for it
             self._arm_read_timer(self.t_first)
             return
-        self.state.stats["read_timeouts"] += 1
         timeout = self.settings.request_read_timeout
+        now = monotonic_ns()
+        if up is not None and not self._upload_held:
+            # The client is sending: the time the proxy held it back (the upstream not taking
+            # bytes, no connection yet) was not its own. It has its whole budget of its own time.
+            left = timeout - (now - t_first - up.held_for(now)) / 1e9
+            if left > 0.001:
+                self._read_timer = self.state.loop.call_later(left, self._read_timeout, t_first)
+                return
+        self.state.stats["read_timeouts"] += 1
         if up is not None:
             a = up.call.attempt
             got = f"({up.progress()})"
             if self._upload_held and a is not None and a.upconn is not None:
-                self._upload_broken(f"may have run: {a.endpoint.label} took no more of the request within "
-                                    f"request_read_timeout {timeout:g}s {got}", TIMEOUT)
+                held = up.held_for(now) / 1e9
+                self._upload_broken(f"may have run: {a.endpoint.label} did not take the whole request within "
+                                    f"request_read_timeout {timeout:g}s ({up.progress()}; the client was held "
+                                    f"back {held:.1f}s waiting for it)", TIMEOUT)
             elif self._upload_held and a is not None:
                 self._upload_broken(f"not sent: no connection to {a.endpoint.label} within "
                                     f"request_read_timeout {timeout:g}s {got}", NOT_SENT)
             else:
+                held = up.held_for(now) / 1e9
+                also = f"; {held:.1f}s more the upstream held it back are not counted" if held >= 0.05 else ""
                 self._upload_broken(f"bad request: request not complete within request_read_timeout "
-                                    f"{timeout:g}s {got}")
+                                    f"{timeout:g}s ({up.progress()}{also})")
             return
         self._protocol_error(ProtocolError(
             f"bad request: request not complete within request_read_timeout {timeout:g}s "

@@ -365,7 +365,7 @@ def test_an_upstream_not_taking_a_spliced_request_is_blamed_and_the_client_held_
         up.close()
     kind, text = _exception(err)
     assert err.seqid == 14 and kind == AppErrorType.INTERNAL_ERROR
-    assert "may have run: " in text and "took no more of the request within request_read_timeout 1s" in text, text
+    assert "may have run: " in text and "did not take the whole request within request_read_timeout 1s" in text, text
     assert int(text.split("(")[1].split(" of ")[0]) < 20_000_000, text  # held back, not read on
     assert stats["spliced_requests"] == 1, stats
     (call,) = done

@@ -641,12 +641,51 @@ def test_upstream_not_reading_holds_the_client_back_and_bounds_memory():
         up.close()
     kind, text = _exception(err)
     assert err.seqid == 8 and kind == AppErrorType.INTERNAL_ERROR
-    assert "may have run: " in text and "took no more of the request within request_read_timeout 1s" in text
+    assert "may have run: " in text and "did not take the whole request within request_read_timeout 1s" in text
     # what the proxy had read when it gave up: socket buffers' worth, not the 60 MB the client
     # had to send (the rest it could only send to the lingering close, which drops it)
     received = int(text.split("(")[1].split(" of ")[0])
     assert received < 20_000_000, text
     assert (peak - base) / 1024 <= 32, f"peak RSS grew by {(peak - base) / 1024:.1f} MiB"
+
+
+class LateReader(RecordingUpstream):
+    """Reads nothing for `stall` seconds (a small receive window: the proxy's writes back up),
+    then reads and answers as RecordingUpstream does."""
+
+    def __init__(self, stall: float) -> None:
+        self.stall = stall
+        super().__init__()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)  # (accepted ones inherit it)
+
+    def _one(self, c: socket.socket) -> None:
+        time.sleep(self.stall)
+        super()._one(c)
+
+
+def test_time_the_upstream_held_the_client_back_is_not_the_clients_read_time():
+    """request_read_timeout is the client's budget: the 1.3 s an upstream took no bytes, with
+    the client held back, is not counted against it. The client then pauses 0.5 s mid-request
+    (the timeout's whole 1.5 s passed by then) and finishes: its call is answered, not cut as
+    "bad request" (before: cut at 1.5 s, the client blamed for the upstream's stall)."""
+    up = LateReader(stall=1.3)
+    big = _echo_request(48 << 20, seqid=9)
+    text = _config(up.address, listener="\n    request_read_timeout: 1500ms\n    max_frame_size: 64MiB",
+                   route="        retry_buffer: 64KiB\n")
+    try:
+        with Proxy(text) as p, socket.create_connection(("127.0.0.1", p.port())) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+            t0 = time.monotonic()
+            s.sendall(big[:40 << 20])  # held back until the upstream reads (1.3 s): more than buffers hold
+            held = time.monotonic() - t0
+            time.sleep(0.5)  # the client's own pause, across the 1.5 s mark
+            s.sendall(big[40 << 20:])
+            (reply,) = read_messages(s, 1, "framed", "binary", timeout=10)
+    finally:
+        up.close()
+    assert held >= 1.0, f"the client was not held back ({held:.2f}s): the test shows nothing"
+    assert reply.type == MessageType.REPLY, _exception(reply)
+    assert _reply_text(reply) == hashlib.sha256(big).hexdigest().encode()
 
 
 @pytest.mark.slow
