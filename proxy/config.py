@@ -280,7 +280,8 @@ class Reload(_Model):
 class Tracing(_Model):
     """Without a tracing section the exporter is `none`; with one, it defaults to `otlp`."""
 
-    service_name: Text = "thrift-sidecar"
+    # None: OTEL_SERVICE_NAME, else service.name in OTEL_RESOURCE_ATTRIBUTES, else thrift-sidecar
+    service_name: Text | None = None
     exporter: Literal["otlp", "jsonl", "console", "none"] = "otlp"
     otlp_protocol: Literal["grpc", "http"] = "grpc"
     # None = the OTLP exporter's own default, which honours OTEL_EXPORTER_OTLP_ENDPOINT

@@ -96,6 +96,21 @@ def _ms(ns: int) -> float:
     return round(ns / 1e6, 3)
 
 
+DEFAULT_SERVICE_NAME = "thrift-sidecar"
+
+
+def service_resource(configured: str | None) -> Resource:
+    """The resource spans carry: OTEL_RESOURCE_ATTRIBUTES and the SDK's own, with service.name
+    the configured one, else the environment's (OTEL_SERVICE_NAME, then service.name in
+    OTEL_RESOURCE_ATTRIBUTES, as every OpenTelemetry SDK reads them), else thrift-sidecar."""
+    if configured:
+        return Resource.create({"service.name": configured})
+    detected = Resource.create({})
+    if str(detected.attributes.get("service.name", "")).startswith("unknown_service"):
+        return Resource.create({"service.name": DEFAULT_SERVICE_NAME})
+    return detected
+
+
 class Telemetry:
     """Tracing for all listeners: one RNG, one resource, one export queue (or none)."""
 
@@ -108,8 +123,7 @@ class Telemetry:
         self._ids = random.Random(self.rng.getrandbits(64))
         # monotonic ns + offset = epoch ns; computed once so spans of one call stay consistent
         self.offset_ns = (time.time_ns() - time.monotonic_ns()) if clock_offset_ns is None else clock_offset_ns
-        name = "thrift-sidecar" if tracing is None else tracing.service_name
-        detected = Resource.create({"service.name": name})  # + OTEL_RESOURCE_ATTRIBUTES, SDK info
+        detected = service_resource(None if tracing is None else tracing.service_name)
         self.resource = _Resource(detected.attributes, detected.schema_url)
         self.scope = InstrumentationScope(spans.INSTRUMENTATION_SCOPE, __version__, spans.SCHEMA_URL)
         scope = self.scope

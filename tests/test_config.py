@@ -94,7 +94,7 @@ def test_defaults_are_the_documented_ones():
     assert cfg.drain_timeout == 20.0
     t = cfg.tracing
     assert (t.exporter, t.service_name, t.sample_ratio, t.otlp_protocol, t.endpoint) == (
-        "none", "thrift-sidecar", 0.01, "grpc", None)
+        "none", None, 0.01, "grpc", None)
 
     lis = cfg.listeners[0]
     assert (lis.name, lis.service) == ("listener0", "listener0")

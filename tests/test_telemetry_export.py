@@ -192,6 +192,31 @@ def test_metrics_expose_the_queue():
         q.shutdown(2.0)
 
 
+@pytest.mark.parametrize("configured,env,want", [
+    (None, {}, "thrift-sidecar"),
+    (None, {"OTEL_SERVICE_NAME": "checkout-sidecar"}, "checkout-sidecar"),
+    (None, {"OTEL_RESOURCE_ATTRIBUTES": "service.name=from-attrs,k8s.pod.name=p1"}, "from-attrs"),
+    ("configured", {"OTEL_SERVICE_NAME": "checkout-sidecar"}, "configured"),  # the config file wins
+])
+def test_service_name_from_config_else_the_otel_environment(tmp_path, monkeypatch, configured, env, want):
+    """What an OpenTelemetry user sets (OTEL_SERVICE_NAME) names the spans' service unless the
+    config does; the exported file's resource says so (before: always thrift-sidecar)."""
+    for k in ("OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    path = tmp_path / "spans.jsonl"
+    t = Telemetry(SimpleNamespace(service_name=configured, exporter="jsonl", path=path, sample_ratio=1.0),
+                  rng=random.Random(9), interval=0.01)
+    t.finished(fx.call_success(), "UserService", "users")
+    assert t.flush(5.0) and t.shutdown(5.0)
+    (rs,) = json.loads(path.read_text().splitlines()[0])["resourceSpans"]
+    attrs = {a["key"]: a["value"]["stringValue"] for a in rs["resource"]["attributes"] if "stringValue" in a["value"]}
+    assert attrs["service.name"] == want
+    if "k8s.pod.name" in env.get("OTEL_RESOURCE_ATTRIBUTES", ""):
+        assert attrs["k8s.pod.name"] == "p1"
+
+
 HEX32 = re.compile(r"[0-9a-f]{32}")
 HEX16 = re.compile(r"[0-9a-f]{16}")
 
