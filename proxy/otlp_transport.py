@@ -19,8 +19,9 @@ bytes. What they do on the wire is kept (`Settings.resolve` follows them):
 - `OTEL_EXPORTER_OTLP[_TRACES]_HEADERS`, `_TIMEOUT` (seconds, default 10: the whole export,
   retries included), `_COMPRESSION` (`gzip`; HTTP also `deflate`), `_CERTIFICATE`,
   `_CLIENT_KEY`, `_CLIENT_CERTIFICATE`.
-- retries: gRPC codes CANCELLED, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, OUT_OF_RANGE,
-  UNAVAILABLE, DATA_LOSS; HTTP 429, 502, 503, 504 and connection errors. At most 6 tries,
+- retries: gRPC codes CANCELLED, DEADLINE_EXCEEDED, ABORTED, OUT_OF_RANGE, UNAVAILABLE,
+  DATA_LOSS, and RESOURCE_EXHAUSTED with a RetryInfo (the OTLP spec; the SDK retries it
+  always, also a request over the collector's size limit, which fails again); HTTP 429, 502, 503, 504 and connection errors. At most 6 tries,
   backoff 1, 2, 4, ... s ±20% (or the server's RetryInfo / Retry-After), never past the
   deadline; shutdown cuts a backoff short. After a first UNAVAILABLE the gRPC channel is made
   anew (a restarted collector is otherwise only retried after grpc's own reconnect backoff).
@@ -191,8 +192,10 @@ class _GrpcSender:
             delay = _retry_info(e)
             if name == "UNAVAILABLE" and first:
                 self._connect()
-            return _Failure(f"gRPC {name}: {e.details() if hasattr(e, 'details') else e}", name in _GRPC_RETRYABLE,
-                            delay)
+            # RESOURCE_EXHAUSTED is retried only when the server says when (RetryInfo), as the
+            # OTLP spec says: without it, it is usually a request over the server's size limit
+            retryable = name in _GRPC_RETRYABLE and (name != "RESOURCE_EXHAUSTED" or delay is not None)
+            return _Failure(f"gRPC {name}: {e.details() if hasattr(e, 'details') else e}", retryable, delay)
 
     def close(self) -> None:
         with self._lock:

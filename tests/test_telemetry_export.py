@@ -217,6 +217,27 @@ def test_service_name_from_config_else_the_otel_environment(tmp_path, monkeypatc
         assert attrs["k8s.pod.name"] == "p1"
 
 
+def test_names_and_errors_a_client_chooses_are_cut_in_spans():
+    """A 60 KB method name (the codec takes up to 64 KiB) is cut to 128 characters in span names
+    and rpc.method, and a long error text to 1024: one client's names made a batch a 15 MB
+    request, which a collector refuses whole (every call's spans in it lost)."""
+    t = Telemetry(SimpleNamespace(service_name="s", exporter="none", sample_ratio=1.0), rng=random.Random(3))
+    long = "m" * 60_000
+    c = fx.call_timeout()
+    c.msg = fx.FakeMsg(name="S" * 300 + ":" + long)
+    c.error = "may have run: " + long
+    built = t.build_spans(c, "UserService", "users", "head")
+    server = built[0]
+    assert server.name == "S" * 127 + "…/" + "m" * 127 + "…"
+    assert server.attributes[spans.RPC_METHOD] == "m" * 127 + "…"
+    assert server.attributes[spans.RPC_SERVICE] == "S" * 127 + "…"
+    assert len(server.attributes[spans.ERROR_MESSAGE]) == 1024
+    assert max(len(s.name) for s in built) == len(server.name)
+    assert all(len(v) <= 1024 for s in built for v in s.attributes.values() if isinstance(v, str))
+    short = fx.call_success()
+    assert t.build_spans(short, "UserService", "users", "head")[0].name == "UserService/get_user"
+
+
 HEX32 = re.compile(r"[0-9a-f]{32}")
 HEX16 = re.compile(r"[0-9a-f]{16}")
 

@@ -183,7 +183,15 @@ class GrpcReceiver:
     def _export(self, request: bytes, context):
         self.metadata.append(dict(context.invocation_metadata()))
         if self.fail:
-            context.abort(self.fail.pop(0), "try later")
+            code = self.fail.pop(0)
+            if isinstance(code, tuple):  # (code, seconds): with a google.rpc.RetryInfo
+                from google.rpc.error_details_pb2 import RetryInfo
+
+                code, seconds = code
+                info = RetryInfo()
+                info.retry_delay.FromNanoseconds(int(seconds * 1e9))
+                context.set_trailing_metadata((("google.rpc.retryinfo-bin", info.SerializeToString()),))
+            context.abort(code, "try later")
         self.requests.append(request)
         return b""  # an empty ExportTraceServiceResponse
 
@@ -291,7 +299,7 @@ def test_gzip_and_the_sdk_interface(protocol):
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_retryable_errors_are_retried(protocol):
     if protocol == "grpc":
-        receiver = GrpcReceiver(fail=[grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED])
+        receiver = GrpcReceiver(fail=[grpc.StatusCode.UNAVAILABLE, (grpc.StatusCode.RESOURCE_EXHAUSTED, 0.01)])
     else:
         receiver = HttpReceiver(statuses=[503, 429])
     try:
@@ -303,14 +311,17 @@ def test_retryable_errors_are_retried(protocol):
         receiver.stop()
 
 
-@pytest.mark.parametrize("protocol", ["grpc", "http"])
+@pytest.mark.parametrize("protocol", ["grpc", "grpc-exhausted", "http"])
 def test_non_retryable_errors_fail_at_once(protocol):
     if protocol == "grpc":
         receiver = GrpcReceiver(fail=[grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE])
+    elif protocol == "grpc-exhausted":  # without RetryInfo: e.g. a request over the server's size limit
+        receiver = GrpcReceiver(fail=[grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE])
     else:
         receiver = HttpReceiver(statuses=[400, 503])
     try:
-        exporter = OtlpExporter(settings=settings_for(protocol, receiver.port), backoff_base=0.01)
+        exporter = OtlpExporter(settings=settings_for(protocol.removesuffix("-exhausted"), receiver.port),
+                                backoff_base=0.01)
         assert exporter.export_request(b"") is SpanExportResult.FAILURE
         assert len(receiver.statuses if protocol == "http" else receiver.fail) == 1  # one try only
         exporter.shutdown()
