@@ -32,6 +32,8 @@ Metrics (all durations in seconds; buckets `BUCKETS`, 25 µs ... 30 s):
         bad_request, no_route)
     thrift_sidecar_spans_dropped_total{reason}                counter: calls whose spans were not
         exported: `queue_full` (the export queue was full), `export_failed` (the exporter said so)
+    thrift_sidecar_spans_rejected_total                       counter: spans (not calls) the collector
+        rejected in exports it accepted (OTLP partial_success)
     thrift_sidecar_span_queue_size                            gauge: calls waiting for export
     thrift_sidecar_span_queue_capacity                        gauge: the export queue's bound
 
@@ -327,6 +329,9 @@ class _Collector:
                                       "Calls whose spans were not exported.", labels=("reason",))
         size = GaugeMetricFamily("thrift_sidecar_span_queue_size", "Calls waiting for span export.")
         cap = GaugeMetricFamily("thrift_sidecar_span_queue_capacity", "Bound of the span export queue.")
+        rejected = CounterMetricFamily("thrift_sidecar_spans_rejected_total",
+                                       "Spans the trace collector rejected in accepted exports (OTLP partial_success).")
+        rejected.add_metric((), getattr(getattr(q, "exporter", None), "rejected_spans", 0))
         if q is not None:
             dropped.add_metric(("queue_full",), q.dropped)
             dropped.add_metric(("export_failed",), q.failed)
@@ -338,6 +343,7 @@ class _Collector:
             size.add_metric((), 0)
             cap.add_metric((), 0)
         yield dropped
+        yield rejected
         yield size
         yield cap
 

@@ -26,6 +26,11 @@ bytes. What they do on the wire is kept (`Settings.resolve` follows them):
   deadline; shutdown cuts a backoff short. After a first UNAVAILABLE the gRPC channel is made
   anew (a restarted collector is otherwise only retried after grpc's own reconnect backoff).
 
+A server's delay (RetryInfo / Retry-After) longer than what is left of an export's timeout
+also holds the exports after it back (failed at once, counted), up to 60 s: a collector that
+asked for 30 s of quiet is not sent a batch every 0.2 s. Spans the collector rejected in an
+accepted export (`partial_success`) are counted (`rejected_spans`) and logged.
+
 Failures are returned (`SpanExportResult.FAILURE`) and logged at most every 10 s, never raised.
 """
 
@@ -58,6 +63,7 @@ USER_AGENT = f"thrift-sidecar/{__version__}"
 DEFAULT_TIMEOUT = 10.0   # seconds, the SDK's
 MAX_TRIES = 6            # the SDK's
 LOG_EVERY = 10.0         # seconds between warnings about failed exports
+MAX_QUIET = 60.0         # seconds at most that a collector's Retry-After / RetryInfo holds later exports back
 
 _GRPC_RETRYABLE = frozenset(("CANCELLED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "OUT_OF_RANGE",
                              "UNAVAILABLE", "DATA_LOSS"))
@@ -182,10 +188,10 @@ class _GrpcSender:
     def prepare(self, data: bytes) -> bytes:
         return data  # grpc compresses on the channel
 
-    def send(self, data: bytes, timeout: float, first: bool) -> _Failure | None:
+    def send(self, data: bytes, timeout: float, first: bool) -> _Failure | bytes:
+        """The response's bytes (an ExportTraceServiceResponse), or what failed."""
         try:
-            self._call(data, timeout=timeout, metadata=self._metadata)
-            return None
+            return self._call(data, timeout=timeout, metadata=self._metadata) or b""
         except self._grpc.RpcError as e:
             code = e.code() if hasattr(e, "code") else None
             name = getattr(code, "name", str(code))
@@ -278,7 +284,8 @@ class _HttpSender:
             return zlib.compress(data)
         return data
 
-    def send(self, data: bytes, timeout: float, first: bool) -> _Failure | None:
+    def send(self, data: bytes, timeout: float, first: bool) -> _Failure | bytes:
+        """The response's body (an ExportTraceServiceResponse), or what failed."""
         requests = self._requests
         deadline = time.monotonic() + timeout
         conns: list = []  # (the Timer's _cut and this thread share it under _cut_lock)
@@ -307,7 +314,7 @@ class _HttpSender:
                 conns.clear()
             _watching.conns = None
         if 200 <= r.status_code < 300:
-            return None
+            return r.content if "protobuf" in r.headers.get("Content-Type", "") else b""
         if 300 <= r.status_code < 400:  # (not followed: a redirected POST turns into a GET that "succeeds")
             return _Failure(f"HTTP {r.status_code} {r.reason} to {r.headers.get('Location')!r}: redirects "
                             "are not followed; set the endpoint to the collector's own URL", False)
@@ -366,6 +373,9 @@ class OtlpExporter(SpanExporter):
         self._rng = rng or random.Random()
         self._stop = threading.Event()
         self._last_warning = -LOG_EVERY
+        self._last_rejected_warning = -LOG_EVERY
+        self._quiet_until = 0.0   # (monotonic) the collector asked for no export before then
+        self.rejected_spans = 0   # spans the collector said it rejected (partial_success); export thread
         self.sender = _GrpcSender(self.settings) if self.settings.protocol == "grpc" else _HttpSender(self.settings)
 
     def export_request(self, data: bytes) -> SpanExportResult:
@@ -373,6 +383,10 @@ class OtlpExporter(SpanExporter):
         if self._stop.is_set():
             return SpanExportResult.FAILURE
         clock = time.monotonic
+        quiet = self._quiet_until - clock()
+        if quiet > 0:  # (not sent: a collector that said "not before" is not asked again sooner)
+            return self._failed(f"the collector asked for no exports for {quiet:.1f} s more "
+                                "(Retry-After or RetryInfo)", 0)
         deadline = clock() + self.settings.timeout
         try:
             body = self.sender.prepare(data)
@@ -381,9 +395,14 @@ class OtlpExporter(SpanExporter):
                 if remaining <= 0:
                     return self._failed("deadline passed", n)
                 failure = self.sender.send(body, remaining, n == 0)
-                if failure is None:
+                if not isinstance(failure, _Failure):  # accepted: the response's bytes
+                    if failure:
+                        self._partial(failure)
                     return SpanExportResult.SUCCESS
                 delay = failure.delay
+                if delay is not None and delay > deadline - clock():
+                    # the collector's own "not before" outlasts this export: later ones wait too
+                    self._quiet_until = clock() + min(delay, MAX_QUIET)
                 if delay is None:
                     delay = self.backoff_base * 2 ** n * self._rng.uniform(0.8, 1.2)
                 if not failure.retryable or n + 1 == MAX_TRIES or delay > deadline - clock():
@@ -394,6 +413,25 @@ class OtlpExporter(SpanExporter):
         except Exception as e:  # noqa: BLE001 - the export worker must never see an exception from here
             return self._failed(f"{type(e).__name__}: {e}", 0)
         return SpanExportResult.FAILURE  # not reached
+
+    def _partial(self, response: bytes) -> None:
+        """An accepted export's response: the spans the collector says it rejected
+        (`partial_success`) are counted and logged (at most every 10 s), not taken as exported."""
+        try:
+            from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+
+            partial = ExportTraceServiceResponse.FromString(response).partial_success
+        except Exception:  # noqa: BLE001 - an answer we cannot read says nothing more than "accepted"
+            return
+        if not partial.rejected_spans and not partial.error_message:
+            return
+        self.rejected_spans += partial.rejected_spans
+        now = time.monotonic()
+        if now - self._last_rejected_warning >= LOG_EVERY:
+            self._last_rejected_warning = now
+            log.warning("OTLP/%s collector %s rejected %d span(s) of an export (%d in all): %s",
+                        self.settings.protocol, self.settings.target, partial.rejected_spans,
+                        self.rejected_spans, partial.error_message or "no reason given")
 
     def _failed(self, reason: str, tries: int) -> SpanExportResult:
         now = time.monotonic()

@@ -733,7 +733,9 @@ class Server:
         if self.telemetry is not None and self.telemetry.queue is not None:
             q = self.telemetry.queue
             out["span_export"] = {"queued": q.size, "dropped": getattr(q, "dropped", None),
-                                  "failed": getattr(q, "failed", None)}
+                                  "failed": getattr(q, "failed", None),
+                                  # spans (not calls) the collector said it rejected (OTLP partial_success)
+                                  "rejected_spans": getattr(q.exporter, "rejected_spans", 0)}
         return out
 
 

@@ -169,10 +169,11 @@ def test_any_attribute_value_encodes_as_the_sdk_encodes_it(attrs, name, error, r
 class GrpcReceiver:
     """A TraceService/Export server taking raw bytes; `fail` codes are answered first, in order."""
 
-    def __init__(self, fail=()):
+    def __init__(self, fail=(), response: bytes = b""):
         self.requests: list[bytes] = []
         self.metadata: list[dict] = []
         self.fail = list(fail)
+        self.response = response
         self.server = grpc.server(ThreadPoolExecutor(2))
         service, method = GRPC_METHOD.strip("/").split("/")
         handler = grpc.unary_unary_rpc_method_handler(self._export)  # no (de)serializers: bytes
@@ -193,7 +194,7 @@ class GrpcReceiver:
                 context.set_trailing_metadata((("google.rpc.retryinfo-bin", info.SerializeToString()),))
             context.abort(code, "try later")
         self.requests.append(request)
-        return b""  # an empty ExportTraceServiceResponse
+        return self.response  # an ExportTraceServiceResponse (empty: all accepted)
 
     def stop(self):
         self.server.stop(0)
@@ -202,25 +203,29 @@ class GrpcReceiver:
 class HttpReceiver:
     """POST /v1/traces on 127.0.0.1; `statuses` are answered first, in order."""
 
-    def __init__(self, statuses=()):
+    def __init__(self, statuses=(), response: bytes = b"", retry_after: str = "0"):
         receiver = self
         self.requests: list[tuple[str, dict, bytes]] = []
         self.statuses = list(statuses)
+        self.posts = 0
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
             def do_POST(self):  # noqa: N802
                 body = self.rfile.read(int(self.headers["Content-Length"]))
+                receiver.posts += 1
                 status = receiver.statuses.pop(0) if receiver.statuses else 200
                 if status == 200:
                     receiver.requests.append((self.path, dict(self.headers), body))
                 self.send_response(status)
-                if status == 503:
-                    self.send_header("Retry-After", "0")
+                if status in (429, 503):
+                    self.send_header("Retry-After", retry_after)
+                out = response if status == 200 else b""
                 self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", "0")
+                self.send_header("Content-Length", str(len(out)))
                 self.end_headers()
+                self.wfile.write(out)
 
             def log_message(self, *args):
                 pass
@@ -463,3 +468,54 @@ def test_a_grpc_endpoint_without_scheme_warns_that_it_means_tls(caplog):
         Settings.resolve("grpc", "http://127.0.0.1:4317", {})
         Settings.resolve("grpc", "https://collector:4317", {})
     assert caplog.text == ""
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_spans_the_collector_rejects_are_counted_and_logged(protocol, caplog):
+    """An accepted export whose response has a partial_success (rejected_spans, error_message)
+    is not all exported: the spans are counted (/metrics) and the reason logged."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+
+    from proxy.metrics import Metrics
+
+    answer = ExportTraceServiceResponse()
+    answer.partial_success.rejected_spans = 5
+    answer.partial_success.error_message = "spans older than 1h"
+    raw = answer.SerializeToString()
+    receiver = GrpcReceiver(response=raw) if protocol == "grpc" else HttpReceiver(response=raw)
+    try:
+        exporter = OtlpExporter(settings=settings_for(protocol, receiver.port))
+        t = Telemetry(tracing(), clock_offset_ns=OFFSET, rng=random.Random(5), exporter=exporter, interval=0.01)
+        metrics = Metrics()
+        metrics.watch_exporter(t.queue)
+        with caplog.at_level(logging.WARNING, logger="proxy.otlp_transport"):
+            t.finished(fx.call_success(), "UserService", "users")
+            assert t.flush(10.0)
+        assert exporter.rejected_spans == 5
+        assert "thrift_sidecar_spans_rejected_total 5.0" in metrics.exposition().decode()
+        assert any("rejected 5 span(s)" in r.getMessage() and "spans older than 1h" in r.getMessage()
+                   for r in caplog.records)
+        assert t.shutdown(5.0)
+    finally:
+        receiver.stop()
+
+
+def test_a_collectors_retry_after_holds_the_next_exports_back():
+    """429 with Retry-After: 30 against a 1 s export timeout: that export fails, and so do the
+    next ones, at once, without a request (before: one POST per batch, every 0.2 s)."""
+    receiver = HttpReceiver(statuses=[429, 429, 429], retry_after="30")
+    try:
+        exporter = OtlpExporter(settings=settings_for("http", receiver.port, timeout=1.0), backoff_base=0.01)
+        assert exporter.export_request(b"") is SpanExportResult.FAILURE
+        t0 = time.monotonic()
+        for _ in range(5):
+            assert exporter.export_request(b"") is SpanExportResult.FAILURE
+        assert time.monotonic() - t0 < 0.5  # failed at once
+        assert receiver.posts == 1
+        exporter._quiet_until = 0.0  # (as 30 s later)
+        receiver.statuses.clear()
+        assert exporter.export_request(b"") is SpanExportResult.SUCCESS
+        assert receiver.posts == 2
+        exporter.shutdown()
+    finally:
+        receiver.stop()
