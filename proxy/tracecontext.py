@@ -104,6 +104,33 @@ def _hex_id(s: str, lengths: tuple[int, ...]) -> int:
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?", re.S)
 
 
+# A W3C tracestate list member (key OWS "=" OWS value is not allowed: no spaces around "=").
+_TS_MEMBER = re.compile(r"([a-z][_0-9a-z\-*/]{0,255}|[a-z0-9][_0-9a-z\-*/]{0,240}@[a-z][_0-9a-z\-*/]{0,13})"
+                        r"=([\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e])")
+MAX_TRACESTATE_MEMBERS = 32
+
+
+def clean_tracestate(value: str) -> str:
+    """A client's tracestate as it is kept, forwarded and exported: its members (empty ones
+    and the whitespace around them dropped), or "" when it is not valid W3C as a whole (a
+    member that does not parse, a key twice, more than 32 members, over 512 characters), as
+    the W3C test suite and the OpenTelemetry SDKs treat it. Checked here once per call: the
+    SDK's own parser logs a warning for each such header, one line per traced call."""
+    members = []
+    keys = set()
+    for member in value.split(","):
+        member = member.strip(" \t")
+        if not member:
+            continue
+        m = _TS_MEMBER.fullmatch(member)
+        if m is None or m.group(1) in keys:
+            return ""
+        keys.add(m.group(1))
+        members.append(member)
+    out = ",".join(members)
+    return out if len(members) <= MAX_TRACESTATE_MEMBERS and len(out) <= MAX_TRACESTATE else ""
+
+
 def _traceparent(value: str, tracestate: str | None) -> Parent | None:
     m = _TRACEPARENT.fullmatch(value.strip())
     if m is None:
@@ -115,11 +142,7 @@ def _traceparent(value: str, tracestate: str | None) -> Parent | None:
     span_id = int(span, 16)
     if not trace_id or not span_id:
         return None
-    state = ""
-    if tracestate:
-        state = tracestate.strip()
-        if len(state) > MAX_TRACESTATE:
-            state = ""
+    state = clean_tracestate(tracestate) if tracestate else ""
     return Parent(trace_id, span_id, bool(int(flags, 16) & 1), state)
 
 

@@ -15,7 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.tracecontext import inject, parse, start
+import logging
+
+from opentelemetry.trace import TraceState
+
+from proxy.tracecontext import clean_tracestate, inject, parse, start
 
 TID = 0x4BF92F3577B34DA6A3CE929D0E0E4736
 SID = 0x00F067AA0BA902B7
@@ -227,6 +231,46 @@ def test_any_header_values_parse_or_are_ignored(headers):
     ctx = start(headers, random.Random(0), 0.5)
     assert 0 < ctx.trace_id < 2**128 and 0 < ctx.span_id < 2**64
     assert inject(ctx, 1)["traceparent"].startswith("00-")
+
+
+@pytest.mark.parametrize("value,kept", [
+    ("congo=t61rcWkgMzE,rojo=00f067aa0ba902b7", "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7"),
+    (" a=b , ,\tc=d ", "a=b,c=d"),          # whitespace and empty members go
+    ("t1@sys=1,a=x y", "t1@sys=1,a=x y"),     # a tenant key; a space inside a value
+    ("congo=x,BAD KEY=1", ""),                # one member that does not parse: the whole of it goes
+    ("a=b,a=c", ""),                          # a key twice
+    (",".join(f"k{i}=v" for i in range(33)), ""),  # more than 32 members
+    ("a=" + "x" * 600, ""),                   # longer than 512
+    ("a=", ""),
+])
+def test_a_tracestate_is_kept_whole_and_clean_or_not_at_all(value, kept, caplog):
+    """What is kept is forwarded upstream and exported; an invalid one is as if absent (not
+    forwarded as it came), and the SDK that encodes spans never sees it, so it logs nothing
+    (before: one warning line per traced call)."""
+    assert clean_tracestate(value) == kept
+    ctx = start({"traceparent": TP, "tracestate": value}, rng(), 1.0)
+    assert ctx.tracestate == kept
+    assert inject(ctx, 5).get("tracestate") == (kept or None)
+    with caplog.at_level(logging.WARNING):
+        assert len(TraceState.from_header([kept])) == (kept.count(",") + 1 if kept else 0)
+    assert not caplog.records
+
+
+@settings(deadline=None)
+@given(st.text(alphabet=st.sampled_from("ab=,@ \t*-/_0z\x7f!é"), max_size=60))
+def test_what_clean_tracestate_keeps_the_sdk_takes_silently(value):
+    kept = clean_tracestate(value)
+    logger = logging.getLogger("opentelemetry.trace.span")
+    seen = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logger.addHandler(handler)
+    try:
+        state = TraceState.from_header([kept])
+    finally:
+        logger.removeHandler(handler)
+    assert not seen, (value, kept)
+    assert ",".join(f"{k}={v}" for k, v in state.items()) == kept
 
 
 def test_cost_printed():
