@@ -165,7 +165,7 @@ class Attempt(Exchange):
 
     __slots__ = ("call", "endpoint", "pool", "upconn", "waiter", "seqid", "name", "number", "timer",
                  "t_acquire", "t_acquired", "t_written", "t_handoff", "t_first_reply", "t_reply", "outcome",
-                 "error", "retry_reason", "breaker_state", "reply_size", "span_id", "probe",
+                 "error", "retry_reason", "breaker_state", "request_size", "reply_size", "span_id", "probe",
                  "pending", "is_retry", "ended", "held_ns")
 
     def __init__(self, call: Call, endpoint, number: int, t_acquire: int) -> None:
@@ -189,6 +189,8 @@ class Attempt(Exchange):
         self.error: str | None = None
         self.retry_reason: str | None = None  # the previous attempt's outcome, for retries
         self.breaker_state: str | None = None
+        self.request_size = 0               # bytes written upstream (re-framed, with our THeader headers);
+                                            # 0: as the client sent it (a streaming request)
         self.reply_size = 0
         self.span_id = 0                    # pre-chosen when trace context is injected upstream
         self.probe = False                  # took a half-open breaker's probe slot

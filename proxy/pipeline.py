@@ -335,6 +335,7 @@ class Pipeline:
             self.fail(call, e.app_type, e.message)
             return
         attempt.endpoint.outstanding += 1
+        attempt.request_size = len(data)
         call.written = True
         conn.exchange(None if call.oneway else attempt, data)
         attempt.t_written = monotonic_ns()

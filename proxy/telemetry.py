@@ -415,7 +415,7 @@ class Telemetry:
         if att.breaker_state is not None:
             a[spans.BREAKER_STATE] = att.breaker_state
         if t_written and call.msg is not None:
-            a[spans.REQUEST_SIZE] = call.request_size
+            a[spans.REQUEST_SIZE] = att.request_size or call.request_size  # (what went upstream)
         if att.reply_size:
             a[spans.REPLY_SIZE] = att.reply_size
         error = None

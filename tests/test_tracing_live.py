@@ -148,6 +148,19 @@ def test_success_and_declared_exception_shapes(upstream):
     assert median(gaps) < 0.2, gaps
 
 
+def test_client_span_sizes_are_what_went_upstream(upstream):
+    """A THeader client in front of a framed upstream: the SERVER span's request size is what the
+    client sent, the CLIENT span's what the upstream got (re-framed: 4 length bytes, no header
+    block); before, the CLIENT span repeated the client's size."""
+    framed = len(request_bytes("framed", "binary", "lookup", "k"))
+    with Traced(cfg([upstream], transport="header", cluster_transport="framed")) as t, \
+            client(t.port(), "header") as c:
+        assert c.lookup("k").endswith(":k")
+        (call,) = t.wait_calls(1)
+    assert call.clients[0].attributes[spans.REQUEST_SIZE] == framed
+    assert call.attrs[spans.REQUEST_SIZE] > framed  # the THeader frame: header block included
+
+
 def test_hops_cover_server_span_for_a_normal_call(upstream):
     with Traced(cfg([upstream])) as t, client(t.port()) as c:
         for _ in range(6):
