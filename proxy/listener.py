@@ -965,7 +965,7 @@ class ClientConnection(asyncio.Protocol):
                                     f"request_read_timeout {timeout:g}s {got}", NOT_SENT)
             else:
                 held = up.held_for(now) / 1e9
-                also = f"; {held:.1f}s more the upstream held it back are not counted" if held >= 0.05 else ""
+                also = f"; not counting {held:.1f}s the proxy held it back for the upstream" if held >= 0.05 else ""
                 self._upload_broken(f"bad request: request not complete within request_read_timeout "
                                     f"{timeout:g}s ({up.progress()}{also})")
             return

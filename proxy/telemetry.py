@@ -350,9 +350,10 @@ class Telemetry:
             if call.never_read and error_type in _OK_ATTEMPT:  # its only failure: nobody read the reply
                 error_type = spans.ERROR_CLIENT_NEVER_READ
             a[spans.ERROR_TYPE] = error_type
-            if call.error is not None:
-                a[spans.ERROR_MESSAGE] = _cut(call.error, MAX_ERROR)
-            error = call.error or (_NEVER_READ_TEXT if error_type == spans.ERROR_CLIENT_NEVER_READ else outcome)
+            text = _cut(call.error, MAX_ERROR) if call.error is not None else None
+            if text is not None:
+                a[spans.ERROR_MESSAGE] = text
+            error = text or (_NEVER_READ_TEXT if error_type == spans.ERROR_CLIENT_NEVER_READ else outcome)
         out = [(name, server_id, parent_id, parent_id != 0, SERVER, t_start + off, t_end + off, a, error)]
 
         # children of SERVER
@@ -421,9 +422,10 @@ class Telemetry:
         error = None
         if outcome is not None and outcome not in _OK_ATTEMPT:
             a[spans.ERROR_TYPE] = outcome
-            if att.error is not None:
-                a[spans.ERROR_MESSAGE] = _cut(att.error, MAX_ERROR)
-            error = att.error or outcome
+            text = _cut(att.error, MAX_ERROR) if att.error is not None else None
+            if text is not None:
+                a[spans.ERROR_MESSAGE] = text
+            error = text or outcome
         client_id = att.span_id or (rand(64) or 1)
         out.append((name, client_id, server_id, False, CLIENT, t0 + off, t1 + off, a, error))
         if not t_acquired:  # never got a connection: it waited (or connected) until the attempt ended

@@ -234,6 +234,7 @@ def test_names_and_errors_a_client_chooses_are_cut_in_spans():
     assert len(server.attributes[spans.ERROR_MESSAGE]) == 1024
     assert max(len(s.name) for s in built) == len(server.name)
     assert all(len(v) <= 1024 for s in built for v in s.attributes.values() if isinstance(v, str))
+    assert all(len(s.status.description or "") <= 1024 for s in built)
     short = fx.call_success()
     assert t.build_spans(short, "UserService", "users", "head")[0].name == "UserService/get_user"
 
