@@ -678,9 +678,11 @@ class Server:
         nothing at exit waits for an exporter that hangs."""
         import threading
 
+        queue = self.telemetry.queue
         if self._hurry.is_set():
+            left = queue.size if queue is not None else 0
             self.telemetry.shutdown(0.0)
-            log.warning("spans still queued at shutdown not exported: second signal")
+            log.warning("spans of %d calls still queued at shutdown not exported: second signal", left)
             return
         done = self.loop.create_future()
 
@@ -694,10 +696,12 @@ class Server:
             await asyncio.wait({done, hurry}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             hurry.cancel()
+        left = queue.size if queue is not None else 0  # (what the flush had not handed over yet)
         if not done.done():
-            log.warning("span export at shutdown cut short: second signal")
+            log.warning("span export at shutdown cut short: second signal (%d calls' spans still queued)", left)
         elif not done.result():
-            log.warning("spans not all exported within %.0fs at shutdown", SPAN_FLUSH_TIMEOUT)
+            log.warning("spans not all exported within %.0fs at shutdown: %d calls' spans still queued",
+                        SPAN_FLUSH_TIMEOUT, left)
 
     def snapshot(self) -> dict[str, Any]:
         """/stats: listeners, clusters (endpoints, breakers, pools, budgets, limits), health, exporter."""

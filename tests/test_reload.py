@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import socket
 import threading
@@ -478,9 +479,12 @@ def test_second_signal_exits_at_once_while_spans_cannot_be_exported():
             rc = p.proc.wait(30)
             elapsed = time.monotonic() - t0
             kept.close()
+            out = p.output()
     up.stop()
     assert rc == 0
     assert elapsed < SPAN_FLUSH_TIMEOUT - 1, elapsed  # ~0.1 s; the flush would take SPAN_FLUSH_TIMEOUT
+    # the loss is said with its size
+    assert re.search(r"second signal \(\d+ calls' spans still queued\)|spans of \d+ calls still queued", out), out
 
 
 def test_connections_keep_the_listener_settings_they_were_accepted_under():
