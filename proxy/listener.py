@@ -954,17 +954,15 @@ class ClientConnection(asyncio.Protocol):
         self.state.stats["read_timeouts"] += 1
         if up is not None:
             a = up.call.attempt
-            got = f"({up.progress()})"
+            held = up.held_for(now) / 1e9
             if self._upload_held and a is not None and a.upconn is not None:
-                held = up.held_for(now) / 1e9
                 self._upload_broken(f"may have run: {a.endpoint.label} did not take the whole request within "
                                     f"request_read_timeout {timeout:g}s ({up.progress()}; the client was held "
                                     f"back {held:.1f}s waiting for it)", TIMEOUT)
             elif self._upload_held and a is not None:
                 self._upload_broken(f"not sent: no connection to {a.endpoint.label} within "
-                                    f"request_read_timeout {timeout:g}s {got}", NOT_SENT)
+                                    f"request_read_timeout {timeout:g}s ({up.progress()})", NOT_SENT)
             else:
-                held = up.held_for(now) / 1e9
                 also = f"; not counting {held:.1f}s the proxy held it back for the upstream" if held >= 0.05 else ""
                 self._upload_broken(f"bad request: request not complete within request_read_timeout "
                                     f"{timeout:g}s ({up.progress()}{also})")

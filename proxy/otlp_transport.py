@@ -394,11 +394,12 @@ class OtlpExporter(SpanExporter):
                 remaining = deadline - clock()
                 if remaining <= 0:
                     return self._failed("deadline passed", n)
-                failure = self.sender.send(body, remaining, n == 0)
-                if not isinstance(failure, _Failure):  # accepted: the response's bytes
-                    if failure:
-                        self._partial(failure)
+                answer = self.sender.send(body, remaining, n == 0)
+                if not isinstance(answer, _Failure):  # accepted: the response's bytes
+                    if answer:
+                        self._partial(answer)
                     return SpanExportResult.SUCCESS
+                failure = answer
                 delay = failure.delay
                 if delay is not None and delay > deadline - clock():
                     # the collector's own "not before" outlasts this export: later ones wait too

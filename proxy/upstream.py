@@ -549,10 +549,8 @@ class UpstreamConnection(asyncio.Protocol):
         """The upstream closed its side (FIN). A connection no call is on leaves the pool now,
         not at connection_lost (a later loop turn): a call leased in between would be written
         nowhere and told "may have run". One a call is on fails at connection_lost, as before."""
-        if self.exchange_ is None and not self.closed:
-            self.closed = True
-            if self.owned:
-                self.pool.forget(self)
+        if self.exchange_ is None:
+            self._leave_pool()
         return False
 
     def closed_by_peer(self) -> bool:
@@ -581,10 +579,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self._stop_splice()
-        if not self.closed:
-            self.closed = True
-            if self.owned:  # (a connect cancelled by its deadline just after it completed: the
-                self.pool.forget(self)  # pool's connect path uncounts it, not this)
+        self._leave_pool()
         self._end_hold()
         # (TLS 1.3: a refusal of our certificate comes after our side's handshake, before any
         # reply, whether or not the connection sat idle after a oneway; TLS 1.2 could
@@ -689,6 +684,13 @@ class UpstreamConnection(asyncio.Protocol):
         up = self.upload  # a streaming request spliced onto this connection: it stops with it
         if up is not None and up.splice is not None:
             up.client.stop_upload_splice(up)
+
+    def _leave_pool(self) -> None:
+        """Closed, and out of its pool's counts: once, whichever way it closed."""
+        if not self.closed:
+            self.closed = True
+            if self.owned:  # (a connect cancelled by its deadline just after it completed: the
+                self.pool.forget(self)  # pool's connect path uncounts it, not this)
 
     def _discard(self) -> None:
         self._end_hold()
