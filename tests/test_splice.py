@@ -278,6 +278,10 @@ class StallingRecordingUpstream(RecordingUpstream):
     def __init__(self) -> None:
         self.stalled = False
         super().__init__()
+        # small from the handshake on (accepted sockets inherit it): set only on the accepted
+        # socket, the window was already scaled for the default buffer, and a loaded run's
+        # autotuned buffer could take the 3 MB sent during the stall, holding nobody back
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
 
     def _read(self, c: socket.socket) -> bytes | None:
         try:
