@@ -482,6 +482,8 @@ class Pipeline:
             return False if call.conn.wait_whole(call, head.total) else WAIT_TURN
         if head.framing is not call.msg.framing:
             return False  # read it whole: it is re-framed for the client
+        if outcome is calls.APP_EXCEPTION:
+            return False  # read it whole: its type, after its message, says whether to blame the endpoint
         if outcome != calls.SUCCESS and self._would_retry(call, attempt, outcome, head.result_field):
             return False  # read it whole, so that it can be retried
         call.streamed = True

@@ -21,6 +21,7 @@ from harness import (STRICT_REPLY, Proxy, RawUpstream, ThriftServer, app_excepti
 from proxy.codec import MessageType
 
 MiB = 1024 * 1024
+STRICT_EXCEPTION = STRICT_REPLY + 1  # (version 1, type EXCEPTION)
 
 
 class FaultUpstream(RawUpstream):
@@ -108,6 +109,13 @@ class FaultUpstream(RawUpstream):
             time.sleep(0.1)
             self._reset(c)
             return False
+        elif mode.startswith("app_exception"):  # app_exception:TYPE:N — a TApplicationException,
+            _, kind, size = mode.split(":")        # its message N bytes long
+            text = b"x" * int(size)
+            body = (struct.pack("!Ii", STRICT_EXCEPTION, len(name)) + name + struct.pack("!i", seqid)
+                    + b"\x0b\x00\x01" + struct.pack("!i", len(text)) + text
+                    + b"\x08\x00\x02" + struct.pack("!i", int(kind)) + b"\x00")
+            c.sendall(struct.pack("!i", len(body)) + body)
         elif mode == "stall_mid_reply":
             c.sendall(ok[:10])
             time.sleep(5)
@@ -327,6 +335,31 @@ def test_a_method_the_server_lacks_does_not_open_its_breaker_a_failing_handler_d
             assert ep.breaker.state_name == "open"
     finally:
         up.stop()
+
+
+def test_a_large_application_exception_is_blamed_by_its_type_as_a_small_one(upstream):
+    """An exception reply over the stream threshold (a server's long message) used to stream,
+    classified from its head alone, where its type (after the message) is not yet known, so a
+    client's UNKNOWN_METHOD opened the breaker. It is read whole and judged like a small one;
+    the client gets it byte for byte either way."""
+    text = config_text([upstream.address], extra_cluster=(
+        "\n    max_reply_size: 4MiB\n    stream_threshold: 64KiB"
+        "\n    circuit_breaker: {consecutive_failures: 3, open_for: 30s}"))
+    size = 300 * 1024
+    with Proxy(text) as p:
+        (ep,) = p.server.clusters["up"].endpoints
+        for seqid in range(1, 7):  # twice the breaker's consecutive_failures
+            upstream.plan.append(f"app_exception:{TApplicationException.UNKNOWN_METHOD}:{size}")
+            r = _call(p.port(), "lookup", "k", seqid=seqid)
+            assert (r.seqid, r.type) == (seqid, MessageType.EXCEPTION)
+            x = app_exception(r)
+            assert (x.type, x.message) == (TApplicationException.UNKNOWN_METHOD, "x" * size)
+        assert ep.breaker.state_name == "closed"
+        for seqid in range(7, 10):
+            upstream.plan.append(f"app_exception:{TApplicationException.INTERNAL_ERROR}:{size}")
+            x = app_exception(_call(p.port(), "lookup", "k", seqid=seqid))
+            assert (x.type, len(x.message)) == (TApplicationException.INTERNAL_ERROR, size)
+        assert ep.breaker.state_name == "open"
 
 
 class _Closer(RawUpstream):
