@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
@@ -24,7 +24,7 @@ class AdminSources:
     """What the admin endpoints read; callables so nothing is computed until asked."""
 
     def __init__(self, ready: Callable[[], bool], stats: Callable[[], dict[str, Any]],
-                 config: Callable[[], dict[str, Any]], metrics: Callable[[], bytes]) -> None:
+                 config: Callable[[], dict[str, Any]], metrics: Callable[[], Awaitable[bytes]]) -> None:
         self.ready = ready
         self.stats = stats
         self.config = config
@@ -40,7 +40,7 @@ def _app(sources: AdminSources, endpoints: set[str]) -> web.Application:
         return web.Response(text="live\n")
 
     async def metrics(_req: web.Request) -> web.Response:
-        return web.Response(body=sources.metrics(), headers={"Content-Type": PROMETHEUS_TYPE})
+        return web.Response(body=await sources.metrics(), headers={"Content-Type": PROMETHEUS_TYPE})
 
     async def stats(_req: web.Request) -> web.Response:
         return web.Response(text=json.dumps(sources.stats(), indent=2, default=str) + "\n",

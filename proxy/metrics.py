@@ -30,12 +30,22 @@ Metrics (all durations in seconds; buckets `BUCKETS`, 25 µs ... 30 s):
     thrift_sidecar_calls_total{service,method,outcome}        counter: outcome as in `proxy.calls`
         (success, declared_exception, app_exception, not_sent, may_have_run, timeout,
         bad_request, no_route)
+    thrift_sidecar_replies_not_delivered_total{service,method,reason}   counter: calls whose answer
+        never reached their client, whatever their outcome (counted in calls_total too): `not_delivered`
+        (its connection broke, or the proxy closed it, with the reply unsent), `client_never_read`
+        (not acknowledged within the cap, or the client left while an earlier reply was due)
     thrift_sidecar_spans_dropped_total{reason}                counter: calls whose spans were not
         exported: `queue_full` (the export queue was full), `export_failed` (the exporter said so)
     thrift_sidecar_spans_rejected_total                       counter: spans (not calls) the collector
         rejected in exports it accepted (OTLP partial_success)
     thrift_sidecar_span_queue_size                            gauge: calls waiting for export
     thrift_sidecar_span_queue_capacity                        gauge: the export queue's bound
+
+A (service, method) label set is one series whichever listener its calls came through (two
+listeners that both take a multiplexed `Svc:method` count in the same one: Prometheus leaves a
+repeated series undefined). The page is built in pieces of about `PIECE_LINES` lines
+(`exposition_async` lets the loop run between them: 100 methods' hops are ~16,000 lines, ~140 ms
+to format at once).
 
 Method labels are capped per service: the known methods (config/IDL) plus the first
 `max_methods` other names seen; every later name counts under `_OTHER`, so clients sending
@@ -45,8 +55,9 @@ framed (bad request) counts under `_INVALID`.
 
 from __future__ import annotations
 
+import asyncio
 from bisect import bisect_left
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -67,6 +78,9 @@ _NB = len(BUCKETS) + 1  # + the +Inf bucket
 OTHER = "_OTHER"
 INVALID = "_INVALID"
 MAX_METHODS = 100
+PIECE_LINES = 256  # lines of the Prometheus page formatted between two turns of the loop (~2 ms)
+NOT_DELIVERED = "not_delivered"          # (reasons of replies_not_delivered_total; the first is
+CLIENT_NEVER_READ = "client_never_read"  # also the call's error_type, as the listener sets it)
 
 # Hop indexes into MethodStats.hops (the order of `spans.HOPS`).
 _HOP_INDEX = {name: i for i, name in enumerate(spans.HOPS)}
@@ -201,7 +215,7 @@ HOPS_IMPL = "c" if CompiledRecordHops is not None else "python"
 class MethodStats:
     """One (service, method) label set: hop and total buckets, counters per outcome."""
 
-    __slots__ = ("service", "method", "hops", "hop_sums", "total", "total_sum", "outcomes")
+    __slots__ = ("service", "method", "hops", "hop_sums", "total", "total_sum", "outcomes", "undelivered")
 
     def __init__(self, service: str, method: str) -> None:
         self.service = service
@@ -211,17 +225,35 @@ class MethodStats:
         self.total = [0] * _NB
         self.total_sum = 0
         self.outcomes: dict[str, int] = {}
+        self.undelivered: dict[str, int] = {}  # reason → calls whose answer never reached the client
+
+
+class LabelSets:
+    """Every (service, method) label set once, shared by all services' metrics."""
+
+    def __init__(self) -> None:
+        self.by_label: dict[tuple[str, str], MethodStats] = {}
+        self.stats: list[MethodStats] = []  # in creation order
+
+    def get(self, service: str, method: str) -> MethodStats:
+        st = self.by_label.get((service, method))
+        if st is None:
+            st = self.by_label[(service, method)] = MethodStats(service, method)
+            self.stats.append(st)
+        return st
 
 
 class ServiceMetrics:
     """The metrics of one service (listener): `record(call)` once per finished call."""
 
-    def __init__(self, service: str, known_methods: Iterable[str] = (), max_methods: int = MAX_METHODS) -> None:
+    def __init__(self, service: str, known_methods: Iterable[str] = (), max_methods: int = MAX_METHODS,
+                 labels: LabelSets | None = None) -> None:
         self.service = service
         self.max_methods = max_methods
         self.by_name: dict[str, MethodStats] = {}  # wire name (maybe `Svc:method`) → its stats
-        self.stats: list[MethodStats] = []         # every label set, in creation order
-        self._labels: dict[tuple[str, str], MethodStats] = {}
+        self.stats: list[MethodStats] = []         # the label sets it counts in, in creation order
+        self._sets = labels if labels is not None else LabelSets()
+        self._mine: set[int] = set()
         self._seen = 0                             # unknown names admitted so far
         self.other = self._stats_for(service, OTHER)
         self.invalid = self._stats_for(service, INVALID)
@@ -238,9 +270,9 @@ class ServiceMetrics:
         return (name[:i], name[i + 1:]) if i >= 0 else (self.service, name)
 
     def _stats_for(self, service: str, method: str) -> MethodStats:
-        st = self._labels.get((service, method))
-        if st is None:
-            st = self._labels[(service, method)] = MethodStats(service, method)
+        st = self._sets.get(service, method)
+        if id(st) not in self._mine:
+            self._mine.add(id(st))
             self.stats.append(st)
         return st
 
@@ -269,6 +301,9 @@ class ServiceMetrics:
         outcome = call_outcome(call)
         oc = st.outcomes
         oc[outcome] = oc.get(outcome, 0) + 1
+        if call.never_read or (call.error is not None and call.error_type == NOT_DELIVERED):
+            why = NOT_DELIVERED if call.error_type == NOT_DELIVERED else CLIENT_NEVER_READ
+            st.undelivered[why] = st.undelivered.get(why, 0) + 1
 
     def label_count(self) -> int:
         return len(self.stats)
@@ -290,8 +325,90 @@ def _buckets(counts: list[int]) -> list[tuple[str, int]]:
     return out
 
 
+def _hop_family(stats: list[MethodStats]) -> HistogramMetricFamily:
+    fam = HistogramMetricFamily("thrift_sidecar_hop_duration_seconds",
+                                "Per-hop latency of calls through the sidecar (hops as in the span tree).",
+                                labels=("service", "method", "hop"))
+    for st in stats:
+        for i, name in enumerate(spans.HOPS):
+            counts = list(st.hops[i])
+            if any(counts):
+                fam.add_metric((st.service, st.method, name), _buckets(counts), st.hop_sums[i] / 1e9)
+    return fam
+
+
+def _total_family(stats: list[MethodStats]) -> HistogramMetricFamily:
+    fam = HistogramMetricFamily("thrift_sidecar_call_duration_seconds",
+                                "Call latency: first request byte to the client having every reply byte (none left unsent).",
+                                labels=("service", "method"))
+    for st in stats:
+        counts = list(st.total)
+        if any(counts) or any(any(h) for h in st.hops):
+            fam.add_metric((st.service, st.method), _buckets(counts), st.total_sum / 1e9)
+    return fam
+
+
+def _calls_family(stats: list[MethodStats]) -> CounterMetricFamily:
+    fam = CounterMetricFamily("thrift_sidecar_calls_total", "Calls by outcome.",
+                              labels=("service", "method", "outcome"))
+    for st in stats:
+        for outcome, n in list(st.outcomes.items()):
+            fam.add_metric((st.service, st.method, outcome), n)
+    return fam
+
+
+def _undelivered_family(stats: list[MethodStats]) -> CounterMetricFamily:
+    fam = CounterMetricFamily("thrift_sidecar_replies_not_delivered_total",
+                              "Calls whose answer never reached their client (also in calls_total, by their outcome).",
+                              labels=("service", "method", "reason"))
+    for st in stats:
+        for why, n in list(st.undelivered.items()):
+            fam.add_metric((st.service, st.method, why), n)
+    return fam
+
+
+def _histogram_lines(st: MethodStats) -> int:
+    return (_NB + 2) * (1 + sum(1 for h in st.hops if any(h)))  # (a rough count: sizes the pieces)
+
+
+# Per-label-set families: how each is built from some label sets, and about how many lines one adds.
+_SERIES_FAMILIES: tuple[tuple[Callable, Callable[[MethodStats], int]], ...] = (
+    (_hop_family, _histogram_lines),
+    (_total_family, lambda st: _NB + 2),
+    (_calls_family, lambda st: len(st.outcomes)),
+    (_undelivered_family, lambda st: len(st.undelivered)),
+)
+
+
+def _export_families(q) -> list:
+    """The span export queue's counters and gauges (zero when nothing exports)."""
+    dropped = CounterMetricFamily("thrift_sidecar_spans_dropped_total",
+                                  "Calls whose spans were not exported.", labels=("reason",))
+    size = GaugeMetricFamily("thrift_sidecar_span_queue_size", "Calls waiting for span export.")
+    cap = GaugeMetricFamily("thrift_sidecar_span_queue_capacity", "Bound of the span export queue.")
+    rejected = CounterMetricFamily("thrift_sidecar_spans_rejected_total",
+                                   "Spans the trace collector rejected in accepted exports (OTLP partial_success).")
+    rejected.add_metric((), getattr(getattr(q, "exporter", None), "rejected_spans", 0))
+    dropped.add_metric(("queue_full",), q.dropped if q is not None else 0)
+    dropped.add_metric(("export_failed",), q.failed if q is not None else 0)
+    size.add_metric((), q.size if q is not None else 0)
+    cap.add_metric((), q.capacity if q is not None else 0)
+    return [dropped, rejected, size, cap]
+
+
+class _Families:
+    """Some metric families, as prometheus_client's `generate_latest` takes a registry."""
+
+    def __init__(self, families: list) -> None:
+        self.families = families
+
+    def collect(self):
+        return self.families
+
+
 class _Collector:
-    """Turns the buckets into metric families; prometheus_client calls it on scrape only."""
+    """The whole page at once, for prometheus_client's registry: the reference `Metrics.pieces`
+    is checked against (tests/test_metrics.py)."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
@@ -300,52 +417,10 @@ class _Collector:
         return []  # no registration-time collect (names are fixed; nothing to check)
 
     def collect(self):
-        hop = HistogramMetricFamily("thrift_sidecar_hop_duration_seconds",
-                                    "Per-hop latency of calls through the sidecar (hops as in the span tree).",
-                                    labels=("service", "method", "hop"))
-        total = HistogramMetricFamily("thrift_sidecar_call_duration_seconds",
-                                      "Call latency: first request byte to the client having every reply byte (none left unsent).",
-                                      labels=("service", "method"))
-        calls = CounterMetricFamily("thrift_sidecar_calls_total", "Calls by outcome.",
-                                    labels=("service", "method", "outcome"))
-        for svc in list(self.metrics.services.values()):
-            for st in list(svc.stats):
-                seen = False
-                for i, name in enumerate(spans.HOPS):
-                    counts = list(st.hops[i])
-                    if any(counts):
-                        seen = True
-                        hop.add_metric((st.service, st.method, name), _buckets(counts), st.hop_sums[i] / 1e9)
-                counts = list(st.total)
-                if any(counts) or seen:
-                    total.add_metric((st.service, st.method), _buckets(counts), st.total_sum / 1e9)
-                for outcome, n in list(st.outcomes.items()):
-                    calls.add_metric((st.service, st.method, outcome), n)
-        yield hop
-        yield total
-        yield calls
-        q = self.metrics.export_queue
-        dropped = CounterMetricFamily("thrift_sidecar_spans_dropped_total",
-                                      "Calls whose spans were not exported.", labels=("reason",))
-        size = GaugeMetricFamily("thrift_sidecar_span_queue_size", "Calls waiting for span export.")
-        cap = GaugeMetricFamily("thrift_sidecar_span_queue_capacity", "Bound of the span export queue.")
-        rejected = CounterMetricFamily("thrift_sidecar_spans_rejected_total",
-                                       "Spans the trace collector rejected in accepted exports (OTLP partial_success).")
-        rejected.add_metric((), getattr(getattr(q, "exporter", None), "rejected_spans", 0))
-        if q is not None:
-            dropped.add_metric(("queue_full",), q.dropped)
-            dropped.add_metric(("export_failed",), q.failed)
-            size.add_metric((), q.size)
-            cap.add_metric((), q.capacity)
-        else:
-            dropped.add_metric(("queue_full",), 0)
-            dropped.add_metric(("export_failed",), 0)
-            size.add_metric((), 0)
-            cap.add_metric((), 0)
-        yield dropped
-        yield rejected
-        yield size
-        yield cap
+        stats = list(self.metrics.labels.stats)
+        for build, _lines in _SERIES_FAMILIES:
+            yield build(stats)
+        yield from _export_families(self.metrics.export_queue)
 
 
 class Metrics:
@@ -355,6 +430,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.services: dict[str, ServiceMetrics] = {}
+        self.labels = LabelSets()  # every service's label sets, each once
         self.export_queue = None  # anything with .dropped, .failed, .size, .capacity
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
@@ -363,7 +439,7 @@ class Metrics:
         """The metrics of a service; the same object for the same name (survives reloads)."""
         svc = self.services.get(name)
         if svc is None:
-            svc = self.services[name] = ServiceMetrics(name, known_methods, max_methods)
+            svc = self.services[name] = ServiceMetrics(name, known_methods, max_methods, self.labels)
         else:
             svc.add_known(known_methods)
         return svc
@@ -371,6 +447,42 @@ class Metrics:
     def watch_exporter(self, queue) -> None:
         self.export_queue = queue
 
+    def pieces(self) -> Iterator[bytes]:
+        """The Prometheus text page in pieces of about PIECE_LINES lines, each formatted (by
+        prometheus_client) when asked for: a family with many series is split between them,
+        its HELP and TYPE lines in its first piece only. Joined, they are the page the
+        registry formats at once, if nothing was recorded in between."""
+        stats = list(self.labels.stats)
+        for build, lines in _SERIES_FAMILIES:
+            first = True
+            chunk: list[MethodStats] = []
+            n = 0
+            for st in stats:
+                chunk.append(st)
+                n += lines(st)
+                if n >= PIECE_LINES:
+                    yield _format(build(chunk), first)
+                    first = False
+                    chunk = []
+                    n = 0
+            if chunk or first:
+                yield _format(build(chunk), first)
+        yield generate_latest(_Families(_export_families(self.export_queue)))
+
     def exposition(self) -> bytes:
         """The Prometheus text page (built now, from the buckets)."""
-        return generate_latest(self.registry)
+        return b"".join(self.pieces())
+
+    async def exposition_async(self) -> bytes:
+        """The page, the loop running other work between its pieces (a scrape must not hold
+        calls up: formatting costs ~8 µs a line)."""
+        out = []
+        for piece in self.pieces():
+            out.append(piece)
+            await asyncio.sleep(0)
+        return b"".join(out)
+
+
+def _format(family, first: bool) -> bytes:
+    text = generate_latest(_Families([family]))
+    return text if first else text.split(b"\n", 2)[2]  # (its HELP and TYPE went out already)

@@ -354,7 +354,7 @@ class Server:
             return
         self.admin = AdminServer(AdminSources(ready=lambda: self.ready and not self.draining,
                                               stats=self.snapshot, config=lambda: self.config.effective(),
-                                              metrics=self.metrics.exposition))
+                                              metrics=self.metrics.exposition_async))
         sites = []
         if cfg.admin is not None:
             sites.append(("admin", ("admin", "listen"), cfg.admin.listen))

@@ -380,10 +380,14 @@ def test_a_reply_stuck_unsent_when_the_client_resets_is_not_delivered():
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RST)
             s.close()
             (call,) = t.wait_calls(1, timeout=10.0)
+            page = t.proxy.call(t.proxy.server.metrics.exposition).decode()
     finally:
         up.stop()
     assert call.attrs[spans.ERROR_TYPE] == "not_delivered", call.attrs
     assert "connection broke before it took the reply" in call.server.status.description
+    # (and in /metrics: a success by its outcome, but counted as not delivered)
+    assert ('thrift_sidecar_replies_not_delivered_total{method="get_users",reason="not_delivered",'
+            'service="TestService"} 1.0') in page, page
 
 
 def test_a_reply_cut_by_a_write_stall_is_not_delivered():
