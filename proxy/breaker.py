@@ -32,7 +32,8 @@ Contract with the data path, per attempt on this endpoint:
     then exactly one of
     record(ok, probe)  the attempt ended and its outcome says something about the endpoint
     release(probe)     it ended with no such outcome (classify_for_breaker gave None, cancelled)
-    (`probe`: what on_pick() returned for it, i.e. whether it holds a probe slot)
+    (`probe`: what on_pick() returned for it: 0, no slot, else the HALF_OPEN period whose slot
+    it holds; a slot is freed only in its own period, since every transition frees them all)
 
 Failed connects are the exception: the pool reports each one (through
 `proxy.cluster`) as `record(False, probe=False)` when it fails, whether or not
@@ -44,8 +45,9 @@ connect counts exactly once.
 Results are counted in the state they arrive in: in OPEN they are ignored
 (stale calls, or picks made while the cluster panics); a call that outlived a
 whole open period and ends in HALF_OPEN counts as a probe, but frees no probe
-slot: only a call that took one does (else more than `half_open_probes` could
-be in flight).
+slot: only a call that took one in this HALF_OPEN period does (else more than
+`half_open_probes` could be in flight: a probe of an earlier period, still out
+when its period ended, would free a slot of this one).
 """
 
 from __future__ import annotations
@@ -110,22 +112,23 @@ class Breaker:
             self._go(HALF_OPEN, f"open time {format_duration(self.open_time)} elapsed")
         return self.probes < self.settings.half_open_probes
 
-    def on_pick(self) -> bool:
-        """A call is sent here. Returns True when it took a HALF_OPEN probe slot."""
+    def on_pick(self) -> int:
+        """A call is sent here. Returns its probe token: the HALF_OPEN period whose probe slot
+        it took (the opening's number, ≥ 1), or 0 when it took none."""
         if self.state is HALF_OPEN:
             self.probes += 1
-            return True
-        return False
+            return self.opened_total
+        return 0
 
-    def release(self, probe: bool = True) -> None:
+    def release(self, probe: int) -> None:
         """A picked call ended without an outcome about this endpoint: free its probe slot
-        (`probe`: it took one)."""
-        if probe and self.state is HALF_OPEN and self.probes > 0:
+        (`probe`: its on_pick() token), if it is this period's."""
+        if probe and probe == self.opened_total and self.state is HALF_OPEN and self.probes > 0:
             self.probes -= 1
 
-    def record(self, success: bool, probe: bool = True) -> None:
+    def record(self, success: bool, probe: int) -> None:
         """A picked call ended; `success` as `classify_for_breaker` says (never None here);
-        `probe`: it took a probe slot (on_pick() said so), which it frees."""
+        `probe`: its on_pick() token; this period's slot is freed."""
         state = self.state
         if state is CLOSED:
             if success and not self.consecutive and not self.window.b:
@@ -133,7 +136,7 @@ class Breaker:
                 return
             self._record_closed(success)
         elif state is HALF_OPEN:
-            if probe and self.probes > 0:
+            if probe and probe == self.opened_total and self.probes > 0:
                 self.probes -= 1
             if not success:
                 self._open("probe failed")

@@ -193,7 +193,7 @@ class Attempt(Exchange):
                                             # 0: as the client sent it (a streaming request)
         self.reply_size = 0
         self.span_id = 0                    # pre-chosen when trace context is injected upstream
-        self.probe = False                  # took a half-open breaker's probe slot
+        self.probe = 0                      # the half-open breaker's probe token (Breaker.on_pick)
         self.pending = False                # counted in the cluster's max_pending
         self.is_retry = number > 1          # counted in the cluster's max_retries
         self.ended = False                  # its outcome is recorded (exactly once)

@@ -53,7 +53,7 @@ def _connect_hooks(endpoint: Endpoint):
 
     def refused() -> None:  # (also a connection whose TLS the server refused: a connect that failed, late)
         if endpoint.breaker is not None:
-            endpoint.breaker.record(False, False)
+            endpoint.breaker.record(False, 0)
 
     return start, end, refused
 

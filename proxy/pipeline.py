@@ -345,7 +345,9 @@ class Pipeline:
             attempt.endpoint.outstanding -= 1
             self.stats["oneway"] += 1
             call.t_done = attempt.t_written
-            self._end_attempt(attempt, calls.SUCCESS)
+            # Written says nothing of the endpoint's health (a hung server still takes bytes):
+            # no verdict, or oneways would keep its breaker closed and close it when open.
+            self._end_attempt(attempt, calls.SUCCESS, blame=False)
             self._release_call(call)
             self.completed(call)
 
@@ -538,9 +540,9 @@ class Pipeline:
 
     def _end_attempt(self, attempt: Attempt, outcome: str, endpoint_fault: bool = True,
                      blame: bool = True) -> None:
-        """Record an attempt's outcome once: breaker, limits, timers. `blame` False: it ended
-        because of the client (gone, or its request cut), which says nothing about the endpoint
-        whatever the outcome (the breaker only releases the attempt's probe slot, if any)."""
+        """Record an attempt's outcome once: breaker, limits, timers. `blame` False: how it ended
+        says nothing about the endpoint whatever the outcome (the client went, or its request
+        was cut; a oneway, only written): the breaker only releases its probe slot, if any."""
         if attempt.ended:
             return
         attempt.ended = True
@@ -557,10 +559,12 @@ class Pipeline:
                 attempt.endpoint.ewma.observe(took / 1e9)
         breaker = attempt.endpoint.breaker
         if breaker is not None:
-            if outcome is calls.SUCCESS:
+            if not blame:
+                verdict = None
+            elif outcome is calls.SUCCESS:
                 verdict = True
             else:
-                verdict = classify_for_breaker(outcome, endpoint_fault) if blame else None
+                verdict = classify_for_breaker(outcome, endpoint_fault)
             if verdict is None:
                 breaker.release(attempt.probe)
             else:

@@ -22,22 +22,22 @@ def make(**kw):
 def run(b: Breaker, clock: ManualClock, steps) -> None:
     """A tiny script: ("fail", n) / ("ok", n) picked and recorded, ("advance", s),
     ("allows", expected), ("pick",), ("release",), ("record", ok)."""
+    tokens = []  # probe tokens of ("pick",)s not yet ended, oldest first
     for step in steps:
         op = step[0]
         if op in ("fail", "ok"):
             for _ in range(step[1]):
-                b.on_pick()
-                b.record(op == "ok")
+                b.record(op == "ok", b.on_pick())
         elif op == "advance":
             clock.advance(step[1])
         elif op == "allows":
             assert b.allows() is step[1], step
         elif op == "pick":
-            b.on_pick()
+            tokens.append(b.on_pick())
         elif op == "release":
-            b.release()
+            b.release(tokens.pop(0) if tokens else 0)
         elif op == "record":
-            b.record(step[1])
+            b.record(step[1], tokens.pop(0) if tokens else 0)
         else:
             raise AssertionError(op)
 
@@ -111,7 +111,7 @@ def test_transitions(name, kw, steps, want, final):
 def test_open_time_grows_per_consecutive_opening_and_caps():
     b, clock, seen = make(consecutive_failures=1, open_for=5.0, max_open_for=60.0)
     lengths = []
-    b.record(False)
+    b.record(False, 0)
     for _ in range(7):
         start = clock()
         lengths.append(b.open_until - start)
@@ -120,8 +120,7 @@ def test_open_time_grows_per_consecutive_opening_and_caps():
         assert b.allows() is False
         clock.advance(0.001)
         assert b.allows() is True
-        b.on_pick()
-        b.record(False)  # probe failed: open again, longer
+        b.record(False, b.on_pick())  # probe failed: open again, longer
     assert lengths == [5.0, 10.0, 20.0, 40.0, 60.0, 60.0, 60.0]
     assert [why for _, _, why in seen if why.startswith("open time")] == [
         "open time 5s elapsed", "open time 10s elapsed", "open time 20s elapsed",
@@ -131,37 +130,38 @@ def test_open_time_grows_per_consecutive_opening_and_caps():
 
 def test_closing_resets_the_growth():
     b, clock, _ = make(consecutive_failures=1, open_for=5.0)
-    b.record(False)
-    clock.advance(5.0); b.allows(); b.on_pick(); b.record(False)   # 2nd opening: 10s
+    b.record(False, 0)
+    clock.advance(5.0); b.allows(); b.record(False, b.on_pick())   # 2nd opening: 10s
     assert b.open_until - clock() == 10.0
-    clock.advance(10.0); b.allows(); b.on_pick(); b.record(True)   # closed
+    clock.advance(10.0); b.allows(); b.record(True, b.on_pick())   # closed
     assert (b.state, b.opened_count) == (CLOSED, 0)
-    b.record(False)
+    b.record(False, 0)
     assert b.open_until - clock() == 5.0
 
 
 def test_half_open_admits_at_most_the_probe_count():
     b, clock, _ = make(consecutive_failures=1, open_for=1.0, half_open_probes=2)
-    b.record(False)
+    b.record(False, 0)
     clock.advance(1.0)
     assert b.allows() is True
-    assert b.on_pick() is True
+    p1 = b.on_pick()
+    assert p1 == 1                    # a slot of the first HALF_OPEN period
     assert b.allows() is True
-    assert b.on_pick() is True
+    p2 = b.on_pick()
+    assert p2 == 1
     assert b.allows() is False        # two probes in flight
-    b.release()                       # one ended without a verdict
+    b.release(p1)                     # one ended without a verdict
     assert b.allows() is True
-    b.record(True)                    # the other succeeded: 1 of 2
+    b.record(True, p2)                # the other succeeded: 1 of 2
     assert (b.state, b.probes, b.probe_successes) == (HALF_OPEN, 0, 1)
-    assert b.on_pick() is True
-    b.record(True)
+    b.record(True, b.on_pick())
     assert b.state is CLOSED
-    assert b.on_pick() is False       # closed: no slot taken
+    assert b.on_pick() == 0           # closed: no slot taken
 
 
 def test_allows_reserves_nothing():
     b, clock, _ = make(consecutive_failures=1, open_for=1.0, half_open_probes=1)
-    b.record(False)
+    b.record(False, 0)
     clock.advance(1.0)
     for _ in range(10):
         assert b.allows() is True
@@ -212,8 +212,8 @@ def test_closing_resets_the_window():
 
 def test_snapshot():
     b, clock, _ = make(consecutive_failures=2, open_for=5.0)
-    b.record(False)
-    b.record(False)
+    b.record(False, 0)
+    b.record(False, 0)
     clock.advance(2.0)
     assert b.snapshot() == {"state": "open", "opened_count": 1, "opened_total": 1, "open_for_s": 3.0,
                             "consecutive_failures": 0, "window_calls": 2, "window_failures": 2,
@@ -301,12 +301,12 @@ def test_random_outcome_sequences(s, events):
         if not b.allows():
             assert b.state is HALF_OPEN and b.probes >= s.half_open_probes
             continue
-        b.on_pick()
+        probe = b.on_pick()
         verdict = classify_for_breaker(outcome, fault)
         if verdict is None:
-            b.release()
+            b.release(probe)
         else:
-            b.record(verdict)
+            b.record(verdict, probe)
         assert b.state in (CLOSED, OPEN, HALF_OPEN)
         new = seen[n_seen:]
         assert len(new) <= 2                          # allows() may add OPEN → HALF_OPEN first
@@ -336,7 +336,7 @@ class BreakerMachine(RuleBasedStateMachine):
         self.clock = ManualClock()
         self.seen: list = []
         self.b = Breaker(s, self.clock, lambda old, new, why: self.seen.append((old, new, why)))
-        self.inflight = 0
+        self.inflight: list[int] = []  # the probe tokens of calls picked and not ended
         self.prev_state = CLOSED
         self.checked = 0
 
@@ -353,20 +353,27 @@ class BreakerMachine(RuleBasedStateMachine):
 
     @rule()
     def pick(self):                 # also a panic pick: the cluster may ignore allows()
-        self.b.on_pick()
-        self.inflight += 1
+        self.inflight.append(self.b.on_pick())
 
-    @precondition(lambda self: self.inflight > 0)
-    @rule(ok=st.booleans())
-    def finish(self, ok):
-        self.inflight -= 1
-        self.b.record(ok)
+    @precondition(lambda self: self.inflight)
+    @rule(ok=st.booleans(), which=st.integers(min_value=0))
+    def finish(self, ok, which):
+        self.b.record(ok, self.inflight.pop(which % len(self.inflight)))
 
-    @precondition(lambda self: self.inflight > 0)
-    @rule()
-    def release(self):
-        self.inflight -= 1
-        self.b.release()
+    @precondition(lambda self: self.inflight)
+    @rule(which=st.integers(min_value=0))
+    def release(self, which):
+        self.b.release(self.inflight.pop(which % len(self.inflight)))
+
+    @invariant()
+    def probes_are_this_periods_calls_in_flight(self):
+        if not hasattr(self, "b"):
+            return
+        b = self.b
+        if b.state is HALF_OPEN:
+            assert b.probes == sum(1 for t in self.inflight if t == b.opened_total)
+        else:
+            assert b.probes == 0
 
     @invariant()
     def one_callback_per_change_along_the_edges(self):
@@ -406,14 +413,38 @@ def test_a_call_picked_while_closed_frees_no_probe_slot_when_it_ends_half_open()
     probe slot: ending, it must not free the real probe's slot (before: a third call was
     admitted with half_open_probes 1 and a probe still in flight)."""
     b, clock, _ = make(consecutive_failures=1, open_for=1.0, half_open_probes=1)
-    assert b.on_pick() is False       # closed: the old call takes no slot
-    b.record(False)                   # another call fails: open
+    old = b.on_pick()
+    assert old == 0                   # closed: the old call takes no slot
+    b.record(False, 0)                # another call fails: open
     clock.advance(1.0)
     assert b.allows() is True
-    assert b.on_pick() is True        # the probe
+    probe = b.on_pick()               # the probe
+    assert probe
     assert b.allows() is False
-    b.release(probe=False)            # the old call ends without a verdict
+    b.release(old)                    # the old call ends without a verdict
     assert (b.state, b.probes) == (HALF_OPEN, 1)
     assert b.allows() is False        # still one probe in flight
-    b.record(True, probe=True)        # the probe succeeds
+    b.record(True, probe)             # the probe succeeds
     assert b.state is CLOSED
+
+
+def test_a_probe_of_an_earlier_half_open_period_frees_no_slot_of_this_one():
+    """Probe 1 is slow; probe 2 fails (open again); the next period admits probes 3 and 4.
+    Probe 1 ending then must not free one of their slots (before: a fifth call was admitted,
+    three probes in flight with half_open_probes 2)."""
+    b, clock, _ = make(consecutive_failures=1, open_for=1.0, half_open_probes=2)
+    b.record(False, 0)
+    clock.advance(1.0)
+    assert b.allows()
+    p1, p2 = b.on_pick(), b.on_pick()
+    b.record(False, p2)               # open again (2 s)
+    clock.advance(2.0)
+    assert b.allows()
+    p3, p4 = b.on_pick(), b.on_pick()
+    assert p3 == p4 != p1
+    assert not b.allows()             # two probes in flight
+    b.release(p1)                     # the stale one ends without a verdict
+    assert (b.state, b.probes) == (HALF_OPEN, 2)
+    assert not b.allows()
+    b.record(True, p3)
+    assert (b.state, b.probes) == (HALF_OPEN, 1)

@@ -369,3 +369,66 @@ def test_no_endpoint_errors_say_why(tmp_path):
             c.lookup("y")
     assert e.value.message == ("thrift-sidecar: not sent: no endpoint available in cluster 'up': 1 endpoint(s), "
                                "1 ejected (breaker open), 0 failing health checks"), e.value.message
+
+
+class Hung:
+    """Accepts and reads every connection, never answers: a deadlocked server."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(c)
+            threading.Thread(target=self._drain, args=(c,), daemon=True).start()
+
+    @staticmethod
+    def _drain(c: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while c.recv(65536):
+                pass
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            with contextlib.suppress(OSError):
+                c.close()
+
+
+def test_oneways_written_to_a_hung_endpoint_do_not_keep_its_breaker_closed():
+    """A oneway written says nothing of the endpoint's health. Before, each counted as a
+    success: mixed with two-way calls, the hung endpoint's breaker never opened (half of the
+    two-way calls timed out), and past its open time a oneway "probe" closed it again."""
+    good, hung = ThriftServer(name="good"), Hung()
+    text = cfg([good, hung], route_extra="\n        timeout: 100ms",
+               cluster_extra="\n    circuit_breaker: {consecutive_failures: 3, open_for: 400ms}",
+               listener_extra="\n    idl: tests/idl/sidecar_test.thrift")
+    try:
+        with Proxy(text) as p:
+            (ep,) = [e for e in p.server.clusters["up"].endpoints if e.label == hung.address]
+            failed = 0
+            with client(p.port()) as c:
+                for _ in range(20):
+                    c.log_event("e")
+                    c.log_event("e")
+                    try:
+                        c.lookup("k")
+                    except TApplicationException:
+                        failed += 1
+                assert ep.breaker.opened_total >= 1, ep.breaker.snapshot()
+                assert failed <= 4, failed  # 3 to open it; maybe one more as a probe
+                wait_for(lambda: ep.breaker.allows(), timeout=5, what="the open time to pass")
+                for _ in range(4):
+                    c.log_event("probe?")  # oneways may go to it: they decide nothing
+                time.sleep(0.05)
+                assert p.call(lambda: ep.breaker.state_name) == "half_open"
+    finally:
+        good.stop()
+        hung.close()
