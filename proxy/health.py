@@ -89,7 +89,7 @@ async def check_once(host: str, port: int, method: str, framing: Framing, protoc
     finally:
         if writer is not None:
             writer.close()
-    if field is not None and field > 0:
+    if field:  # any id but 0 (a success) is a declared exception
         return f"declared exception (result field {field})"
     return None
 

@@ -418,7 +418,7 @@ class Pipeline:
                 field = reply.result_field()
             except Exception:  # a reply we framed but cannot peek: pass it on as is
                 field = None
-            outcome = calls.DECLARED_EXCEPTION if field is not None and field > 0 else calls.SUCCESS
+            outcome = calls.DECLARED_EXCEPTION if field else calls.SUCCESS  # (None: void; a negative id: declared)
         if (outcome is calls.SUCCESS and attempt is call.attempt and not call.cancelled
                 and reply.framing is call.msg.framing):
             # The common case: the reply goes back first; the attempt's bookkeeping (breaker,
@@ -471,7 +471,7 @@ class Pipeline:
             return False  # (its client connection is closing: replies go out whole)
         if head.type == MessageType.EXCEPTION:
             outcome = calls.APP_EXCEPTION
-        elif head.result_field is not None and head.result_field > 0:
+        elif head.result_field:
             outcome = calls.DECLARED_EXCEPTION
         else:
             outcome = calls.SUCCESS

@@ -116,6 +116,13 @@ class FaultUpstream(RawUpstream):
                     + b"\x0b\x00\x01" + struct.pack("!i", len(text)) + text
                     + b"\x08\x00\x02" + struct.pack("!i", int(kind)) + b"\x00")
             c.sendall(struct.pack("!i", len(body)) + body)
+        elif mode.startswith("declared"):  # declared:ID — a declared exception in result field ID
+            fid = int(mode.split(":")[1])
+            body = (struct.pack("!Ii", STRICT_REPLY, len(name)) + name + struct.pack("!i", seqid)
+                    + b"\x0c" + struct.pack("!h", fid)                      # the exception struct
+                    + b"\x0b\x00\x01" + struct.pack("!i", 4) + b"gone" + b"\x00"  # {1: "gone"}
+                    + b"\x00")
+            c.sendall(struct.pack("!i", len(body)) + body)
         elif mode == "stall_mid_reply":
             c.sendall(ok[:10])
             time.sleep(5)
@@ -360,6 +367,19 @@ def test_a_large_application_exception_is_blamed_by_its_type_as_a_small_one(upst
             x = app_exception(_call(p.port(), "lookup", "k", seqid=seqid))
             assert (x.type, len(x.message)) == (TApplicationException.INTERNAL_ERROR, size)
         assert ep.breaker.state_name == "open"
+
+
+@pytest.mark.parametrize("fid", [1, -1, -2])
+def test_a_declared_exception_is_known_by_any_field_id_but_zero(upstream, fid):
+    """`throws (Missing m)` without an id gets a negative field id from the Apache compiler
+    (-1, -2, ...): such a reply is a declared exception too, not a success (before: counted as
+    success in metrics and traces, and name-based on_exceptions never matched it)."""
+    with Proxy(config_text([upstream.address])) as p:
+        upstream.plan.append(f"declared:{fid}")
+        r = _call(p.port(), "lookup", "k", seqid=5)
+        assert (r.seqid, r.type) == (5, MessageType.REPLY)
+        page = p.call(p.server.metrics.exposition).decode()
+    assert 'method="lookup",outcome="declared_exception"' in page, page
 
 
 class _Closer(RawUpstream):

@@ -207,7 +207,8 @@ def _zigzag32(n: int) -> int:
 def peek_result_field(buf, body: int, end: int, protocol: Protocol) -> int | None:
     """The id of the first field of a reply's result struct.
 
-    None = STOP (a void success); 0 = success; >= 1 = a declared exception.
+    None = STOP (a void success); 0 = success; any other = a declared exception (an IDL
+    `throws` field without an explicit id gets a negative one from the Apache compiler).
     Only the first field header is read. Raises ProtocolError on garbage.
     """
     if body >= end:
