@@ -462,6 +462,13 @@ def test_theader_block_header_count_is_bounded():
     err = fails(sections({f"a{i}": "" for i in range(half)}, {f"b{i}": "" for i in range(half)}), Framing.HEADER, B,
                 starts=f"bad request: THeader block has {2 * half} headers (at most {MAX_HEADERS})")
     assert_head(err, "", 9)
+    # empty sections count too (a 256 KiB block holds 131,070 of them: ~100 ms of the loop)
+    d = Decoder(Framing.HEADER, B)
+    d.feed(sections(*([{}] * (MAX_HEADERS - 1)), {"k": "v"}))
+    assert d.next_message().headers == {"k": "v"}
+    err = fails(sections(*([{}] * (MAX_HEADERS + 1))), Framing.HEADER, B,
+                starts=f"bad request: THeader block has {MAX_HEADERS + 1} key/value sections (at most {MAX_HEADERS})")
+    assert_head(err, "", 9)
     # counts the 256-byte block cannot hold (zeros after them): told before any header is read
     for count, says in [(b"\x80\x80\x80\x80\x80\x80\x80\x80\x10", f"has {2 ** 60} headers"),  # 2^60
                         (b"\xe8\x07", "truncated THeader header block")]:  # 1000, 2 bytes each at least

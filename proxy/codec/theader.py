@@ -35,7 +35,8 @@ _HDR_FIXED = struct.Struct("!HHiH")
 _I32 = struct.Struct("!i")
 
 SUPPORTED_TRANSFORMS = frozenset((THEADER_TRANSFORM_ZLIB,))
-# At most this many key/value headers in one block (all its KEYVALUE sections together), and
+# At most this many key/value headers in one block (all its KEYVALUE sections together), as
+# many sections (an empty one costs as much to walk as a header), and
 # transforms. Each header costs ~1 µs of the event loop to read: without a bound, one 256 KiB
 # block of empty pairs held every other client up for ~170 ms. Real blocks carry a handful.
 MAX_HEADERS = 1024
@@ -85,10 +86,13 @@ def parse_header_block(buf, start: int, end: int, framing: Framing) -> tuple[Hea
             transforms.append(t)
         headers: dict[str, str] = {}
         read = 0
+        sections = 0
         while p < hend:
             info, p = _varint(buf, p, hend)
             if info != THEADER_INFO_KEYVALUE:
                 break  # padding (0) or an info type we do not read
+            sections += 1
+            _at_most(sections, MAX_HEADERS, "key/value sections")
             n, p = _varint(buf, p, hend)
             read += n
             _at_most(read, MAX_HEADERS, "headers")  # (all its sections together)
