@@ -758,6 +758,38 @@ def test_pending_frame_reads_the_head_and_detach_hands_over_every_byte(first, pr
     assert dec.next_message().seqid == 7  # the decoder goes on with what follows
 
 
+def test_pending_frame_reads_a_head_cut_over_many_reads_and_never_joins_past_it(monkeypatch):
+    """Asked at every read of a large request, pending_frame joins at most the reads a head can
+    need: a frame whose head never reads (garbage, compact bytes on a binary listener) cost a join
+    of everything so far per read (16 MB in 64 KiB reads: 0.4 s of the loop; 64 MB: 5.6 s)."""
+    from proxy.codec import decoder as decmod
+
+    name = "m" * 60_000  # a long name, its head cut over 60 reads
+    head = struct.pack("!Ii", 0x80010001, len(name)) + name.encode() + struct.pack("!i", 3)
+    req = struct.pack("!i", 3_000_000) + head + bytes(3_000_000 - len(head))
+    dec = Decoder(Framing.FRAMED, Protocol.BINARY, max_frame_size=4_000_000)
+    seen = []
+    real = decmod.read_head
+    monkeypatch.setattr(decmod, "read_head", lambda buf, *a: seen.append(len(buf)) or real(buf, *a))
+    pending = None
+    for i in range(0, 70_000, 1000):
+        dec.feed(req[i:i + 1000])
+        assert dec.next_message() is None
+        pending = dec.pending_frame()
+        if pending is not None:
+            break
+    assert pending is not None and pending[0].name == name and pending[0].seqid == 3
+    garbage = b"\x00\x00\x10\x00" + b"\xee" * (4096 + 12)
+    dec = Decoder(Framing.FRAMED, Protocol.BINARY, max_frame_size=2 ** 30)
+    dec.feed(struct.pack("!i", 64 * 2 ** 20) + garbage)
+    assert dec.next_message() is None  # (a large frame arriving: its reads are gathered)
+    seen.clear()
+    for _ in range(200):  # 12.8 MB in 64 KiB reads
+        dec.feed(b"\xee" * 65536)
+        assert dec.next_message() is None and dec.pending_frame() is None
+    assert max(seen) <= decmod._HEAD_MAX + 65536, max(seen)
+
+
 def test_pending_frame_is_none_for_whole_or_refused_frames():
     dec = Decoder(Framing.FRAMED, Protocol.BINARY, max_frame_size=1000)
     dec.feed(_echo_request(5000, seqid=1)[:3000])  # over max_frame_size: next_message refuses it

@@ -40,7 +40,7 @@ from __future__ import annotations
 import struct
 
 from proxy.codec.errors import Head, ProtocolError
-from proxy.codec.heads import peek_result_field, read_head
+from proxy.codec.heads import MAX_NAME_LENGTH, peek_result_field, read_head
 from proxy.codec.message import Message, take_framed
 from proxy.codec.scan import StructScanner
 from proxy.codec.stream import UnframedStream
@@ -70,6 +70,9 @@ _PARTS_MIN = 16 * 1024
 _HEAD_BYTES = 64  # ... when its first read holds this much (pending_head reads the head from it)
 # Bytes that always hold a result struct's first field header (compact: 1 + a 10-byte varint).
 _FIELD_HEAD_MAX = 11
+# A frame's length and the longest message head read_head takes (strict binary: version, name
+# length, name, seqid; compact's is shorter).
+_HEAD_MAX = 4 + 4 + 4 + MAX_NAME_LENGTH + 4
 
 
 class Decoder:
@@ -261,8 +264,14 @@ class Decoder:
         if total is None:
             return None
         if self._parts is not None:
-            parts = self._parts  # its head may be cut by a read: then over the reads so far
-            buf, off = parts[0] if len(parts) == 1 else b"".join(parts), 0
+            parts = self._parts  # its head may be cut by a read: then over the first reads, as
+            buf, off = parts[0], 0  # many as a head can need (asked at every read: not all of them)
+            if len(parts) > 1 and len(buf) < _HEAD_MAX:
+                n = k = 0
+                while k < len(parts) and n < _HEAD_MAX:
+                    n += len(parts[k])
+                    k += 1
+                buf = b"".join(parts[:k])
         else:
             buf, off = (self._whole, 0) if self._whole is not None else (self._buf, self._off)
             if total <= len(buf) - off or total - 4 > self.max_frame_size:
