@@ -147,6 +147,19 @@ class Breaker:
                 self._close("probe succeeded" if need == 1 else f"{need} probes succeeded")
         # OPEN: a stale call or a panic pick; the open time decides, not this result
 
+    def inherit(self, old: Breaker) -> None:
+        """A reload rebuilt this endpoint's cluster: go on from `old`'s ejection. An open endpoint
+        stays out until its open time ends, the next opening still doubles, a half-open one
+        still needs its probes (none in flight here: those calls report to `old`). The failure
+        window starts empty (its length may have changed); the run of failures goes on."""
+        self.state = old.state
+        self.state_name = old.state_name
+        self.opened_count = old.opened_count
+        self.opened_total = old.opened_total
+        self.open_until = old.open_until
+        self.open_time = old.open_time
+        self.consecutive = old.consecutive
+
     # transitions ---------------------------------------------------------------
 
     def _record_closed(self, success: bool) -> None:

@@ -160,6 +160,21 @@ def build_route(r: cfgmod.Route, index: int, clusters: dict[str, Cluster], rng: 
     return route
 
 
+def _carry_endpoints(old: Cluster, new: Cluster) -> None:
+    """The endpoints a rebuilt cluster keeps (same host and port) go on with what the old ones
+    learnt: their breaker's ejection (else every reload put an ejected endpoint straight back,
+    its open time reset), their latency estimate (shared: the old one's calls still in flight
+    go on feeding it)."""
+    was = {ep.key: ep for ep in old.endpoints}
+    for ep in new.endpoints:
+        prev = was.get(ep.key)
+        if prev is None:
+            continue
+        ep.ewma = prev.ewma
+        if ep.breaker is not None and prev.breaker is not None:
+            ep.breaker.inherit(prev.breaker)
+
+
 def _same_source(a: cfgmod.Endpoints, b: cfgmod.Endpoints) -> bool:
     """The same discovery source (DNS name or file), however often it is asked."""
     if a.dns is not None and b.dns is not None:
@@ -314,14 +329,18 @@ class Server:
         self._set_watch(self.config)
         self.ready = True
 
-    async def _start_clusters(self, clusters) -> None:
+    async def _start_clusters(self, clusters, replaced: dict[str, Cluster] | None = None) -> None:
         """First discovery round, then each one's health checker (a replaced cluster's checker,
         if still running, is closed first: one checker per cluster name). A replaced cluster's
         endpoints that its checks took out stay out until the new checker says otherwise: its
-        first round takes up to its timeout for an endpoint that does not answer."""
+        first round takes up to its timeout for an endpoint that does not answer. Endpoints a
+        cluster in `replaced` (by name) had go on with its breakers and latency estimates."""
         clusters = list(clusters)
         await asyncio.gather(*(c.start() for c in clusters))  # first discovery round
         for c in clusters:
+            prev = replaced.get(c.name) if replaced else None
+            if prev is not None:
+                _carry_endpoints(prev, c)
             old = self.health.pop(c.name, None)
             if old is not None:
                 old.close()
@@ -433,7 +452,7 @@ class Server:
             # -- commit: nothing below fails the reload
             for cluster, ctx in renewed:
                 cluster.renew_tls(ctx)
-            await self._start_clusters(fresh.values())  # replaced clusters' checkers closed first
+            await self._start_clusters(fresh.values(), old_clusters)  # replaced clusters' checkers closed first
             prev_config = self.config
             self.config = config
             old_servers, old_states = self.servers, self.listeners

@@ -4,6 +4,7 @@ health checkers, counters, the file watch, logging, and a second signal during a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import signal
@@ -13,6 +14,7 @@ import time
 import urllib.request
 
 import pytest
+from thrift.Thrift import TApplicationException
 
 from harness import (Handler, Proxy, ProxyProcess, ThriftServer, client, free_ports,
                      listening, wait_for)
@@ -259,6 +261,50 @@ def test_a_rebuilt_cluster_keeps_what_its_health_checks_knew():
                 assert [c.lookup(f"k{i}") for i in range(6)] == [f"upstream:k{i}" for i in range(6)]
     finally:
         silent.close()
+        up.stop()
+
+
+def test_a_rebuilt_cluster_keeps_its_endpoints_breakers_and_latency():
+    """A reload that rebuilds a cluster (another connect_timeout) keeps what its endpoints'
+    breakers knew: an ejected endpoint stays out for the rest of its open time, and its next
+    opening still doubles. Before, every such reload put it back at once, closed (3 failed calls
+    right after it, here), its open time reset. The latency estimate goes on too."""
+    up = ThriftServer()
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = "127.0.0.1:%d" % s.getsockname()[1]
+    s.close()  # nothing listens: connects are refused
+    port = free_ports(1)[0]
+
+    def text(ct: str) -> str:
+        return _one_listener("test", port, f'"{up.address}", "{dead}"', f"""
+    transport: framed
+    protocol: binary
+    connect_timeout: {ct}
+    circuit_breaker: {{consecutive_failures: 2, open_for: 60s}}""")
+
+    def breakers() -> dict:
+        return p.call(lambda: {ep.label: (ep.breaker.state_name, ep.breaker.opened_count)
+                               for ep in p.server.clusters["up"].endpoints})
+    try:
+        with Proxy(text("250ms")) as p:
+            with client(port) as c:
+                for i in range(8):
+                    with contextlib.suppress(TApplicationException):
+                        c.lookup(f"k{i}")
+            assert breakers()[dead] == ("open", 1)
+            old = p.call(lambda: p.server.clusters["up"])
+            ewma = p.call(lambda: next(ep.ewma for ep in old.endpoints if ep.label == up.address))
+            assert _apply(p, text("300ms"))
+            assert p.call(lambda: p.server.clusters["up"]) is not old
+            assert breakers() == {up.address: ("closed", 0), dead: ("open", 1)}
+            new = p.call(lambda: next(ep for ep in p.server.clusters["up"].endpoints if ep.label == dead))
+            assert new.breaker.open_until == next(ep for ep in old.endpoints if ep.label == dead).breaker.open_until
+            assert p.call(lambda: next(ep.ewma for ep in p.server.clusters["up"].endpoints
+                                       if ep.label == up.address)) is ewma
+            with client(port) as c:
+                assert [c.lookup(f"k{i}") for i in range(6)] == [f"upstream:k{i}" for i in range(6)]
+    finally:
         up.stop()
 
 
