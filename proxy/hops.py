@@ -102,6 +102,7 @@ class Span:
     start: int       # epoch ns
     end: int
     attrs: dict
+    scope: str = ""  # the instrumentation scope's name, when the source says it
 
     @property
     def duration(self) -> int:
@@ -268,17 +269,20 @@ def parse_otlp_request(obj: dict) -> list[Span]:
     out = []
     for rs in obj.get("resourceSpans") or ():
         for ss in rs.get("scopeSpans") or rs.get("instrumentationLibrarySpans") or ():
+            scope = (ss.get("scope") or ss.get("instrumentationLibrary") or {}).get("name") or ""
             for s in ss.get("spans") or ():
-                attrs = {kv["key"]: _otlp_value(kv.get("value")) for kv in s.get("attributes") or ()}
+                # (protojson leaves an empty key out)
+                attrs = {kv.get("key", ""): _otlp_value(kv.get("value")) for kv in s.get("attributes") or ()}
                 out.append(Span(
                     trace_id=_hex_id(s.get("traceId"), 32),
                     span_id=_hex_id(s.get("spanId"), 16),
                     parent_id=_hex_id(s.get("parentSpanId"), 16),
-                    name=s.get("name", ""),
+                    name=str(s.get("name") or ""),
                     kind=_otlp_kind(s.get("kind", 0)),
                     start=int(s.get("startTimeUnixNano") or 0),
                     end=int(s.get("endTimeUnixNano") or 0),
                     attrs=attrs,
+                    scope=str(scope),
                 ))
     return out
 
@@ -293,7 +297,7 @@ def load_jsonl(path: str, bad: list[str] | None = None) -> list[Span]:
     skipped: list[str] = []
     good = 0
     try:
-        f = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed below
+        f = open(path, encoding="utf-8-sig", errors="replace")  # noqa: SIM115 - closed below
     except OSError as e:
         raise HopsError(f"{path}: {e.strerror}") from e
     with f:
@@ -307,10 +311,14 @@ def load_jsonl(path: str, bad: list[str] | None = None) -> list[Span]:
                 why = f"{path}:{n}: not JSON: {e.msg}"
             else:
                 if isinstance(obj, dict):
-                    out.extend(parse_otlp_request(obj))
-                    good += 1
-                    continue
-                why = f"{path}:{n}: not an ExportTraceServiceRequest object"
+                    try:
+                        out.extend(parse_otlp_request(obj))
+                        good += 1
+                        continue
+                    except (AttributeError, KeyError, TypeError, ValueError) as e:  # a field of another shape
+                        why = f"{path}:{n}: not an ExportTraceServiceRequest: {type(e).__name__}: {e}"
+                else:
+                    why = f"{path}:{n}: not an ExportTraceServiceRequest object"
             if bad is None:
                 raise HopsError(why)
             skipped.append(why)
@@ -432,15 +440,22 @@ def _account(call: Call) -> None:
     call.raw, call.accounted = dict(raw), acc
 
 
+def is_ours(s: Span) -> bool:
+    """A span the sidecar wrote, as far as the source says (a file from a collector may hold an
+    instrumented upstream's spans too, children of our CLIENT spans)."""
+    return not s.scope or s.scope == spans.INSTRUMENTATION_SCOPE
+
+
 def rebuild_calls(all_spans: list[Span]) -> list[Call]:
-    """One Call per SERVER span, with its hops and its CLIENT attempts' hops; by start time."""
+    """One Call per SERVER span of ours, with its hops and its CLIENT attempts' hops; by start
+    time. Other services' SERVER spans are no call of the sidecar's (`is_ours`)."""
     children: dict[tuple[str, str], list[Span]] = defaultdict(list)
     for s in all_spans:
         if s.parent_id:
             children[(s.trace_id, s.parent_id)].append(s)
     calls = []
     for s in all_spans:
-        if s.kind != "server":
+        if s.kind != "server" or not is_ours(s):
             continue
         hops, attempts = [], []
         for c in sorted(children.get((s.trace_id, s.span_id), ()), key=lambda x: x.start):
@@ -585,7 +600,8 @@ def _verdict(groups: list[Group], worst: list[Call], by: str) -> tuple[str, str 
     ns, hop, g = best
     if ns <= 0:
         return f"verdict: no time recorded in {len(groups)} group(s)", None, None
-    return f"verdict: {hop} is {_pct(ns / g.total_time)} of {g.label}: {MEANINGS[hop]}", hop, g.key
+    share = _pct(ns / g.total_time) if g.total_time > 0 else f"{_ms(ns)} ms"  # (SERVER spans' ends missing)
+    return f"verdict: {hop} is {share} of {g.label}: {MEANINGS[hop]}", hop, g.key
 
 
 # --------------------------------------------------------------------------------------------
@@ -693,6 +709,10 @@ def run(args) -> int:
         print(f"thrift-sidecar hops: {e}", file=sys.stderr)
         return 2
     calls = rebuild_calls(all_spans)
+    foreign = sum(1 for s in all_spans if s.kind == "server" and not is_ours(s))
+    if foreign:
+        print(f"thrift-sidecar hops: {foreign} SERVER span(s) of other instrumentation skipped "
+              "(an upstream's own spans, say)", file=sys.stderr)
     if args.method:
         calls = [c for c in calls if _matches(c, args.method)]
     if args.worst < 0:

@@ -469,6 +469,61 @@ def test_a_line_cut_short_is_skipped_and_said_the_rest_is_read(tmp_path):
     assert re.search(rf"^{SERVICE}/list_users: 3 calls", r.stdout, re.M), r.stdout
 
 
+def test_lines_of_another_shape_are_skipped_and_said(tmp_path):
+    """Valid JSON in a shape the sidecar never writes (a field of another type; a key protojson
+    left out; a BOM): the line is skipped and named, the rest analysed. Before, each aborted
+    `hops` with a traceback, exit 1 ("no calls")."""
+    import json
+
+    path = write_span_file(tmp_path / "spans.jsonl", slow_reader_large(3))
+    first = Path(path).read_text().split("\n", 1)[0]
+    good = len(Path(path).read_text().splitlines())
+
+    def odd(mutate) -> str:
+        o = json.loads(first)
+        mutate(o["resourceSpans"][0]["scopeSpans"][0]["spans"])
+        return json.dumps(o)
+
+    lines = [odd(lambda ss: ss[0].update(startTimeUnixNano="x")),
+             odd(lambda ss: ss[0].update(attributes={"a": 1})),
+             odd(lambda ss: ss[0]["attributes"].append({"key": "sidecar.attempt", "value": {"intValue": "abc"}})),
+             json.dumps({"resourceSpans": ["x"]})]
+    kept = odd(lambda ss: ss[0]["attributes"].append({"value": {"stringValue": "no key"}}))  # read
+    Path(path).write_text("\ufeff" + Path(path).read_text() + "\n".join(lines + [kept]) + "\n", encoding="utf-8")
+    r = hops("--spans", path)
+    for n in range(4):
+        assert re.search(rf"{re.escape(path)}:{good + 1 + n}: not an ExportTraceServiceRequest: \w+Error", r.stderr), r.stderr
+    assert "Traceback" not in r.stderr
+    assert re.search(rf"^{SERVICE}/list_users: 6 calls", r.stdout, re.M), r.stdout  # the first line's, and kept's
+
+
+def test_server_spans_of_other_instrumentation_are_no_calls(tmp_path):
+    """A collector's file holds an instrumented upstream's spans too: its SERVER span is a child
+    of our CLIENT attempt. It is no call of the sidecar's (before: counted as one, with all its
+    time "between hops", blaming the proxy), and is said to be skipped."""
+    import json
+
+    path = write_span_file(tmp_path / "spans.jsonl", slow_service(4))
+    before = hops("--spans", path).stdout
+    objs = [json.loads(ln) for ln in Path(path).read_text().splitlines()]
+    theirs = []
+    for o in objs:
+        for ss in o["resourceSpans"][0]["scopeSpans"]:
+            for sp in ss["spans"]:
+                if sp["kind"] == 3:  # CLIENT: the upstream's SERVER span under it
+                    theirs.append({**sp, "parentSpanId": sp["spanId"], "spanId": "ab" * 8, "kind": 2,
+                                   "name": "get_user", "attributes": []})
+    assert theirs
+    other = {"resourceSpans": [{"resource": {"attributes": [{"key": "service.name", "value": {"stringValue": "users"}}]},
+                                "scopeSpans": [{"scope": {"name": "opentelemetry.instrumentation.thrift"},
+                                                "spans": theirs}]}]}
+    with open(path, "a") as f:
+        f.write(json.dumps(other) + "\n")
+    r = hops("--spans", path)
+    assert r.stdout.splitlines()[2:] == before.splitlines()[2:], r.stdout
+    assert f"{len(theirs)} SERVER span(s) of other instrumentation skipped" in r.stderr
+
+
 def test_bad_input_exits_2(tmp_path):
     r = hops("--spans", tmp_path / "absent.jsonl", check=False)
     assert r.returncode == 2 and "absent.jsonl" in r.stderr
