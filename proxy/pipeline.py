@@ -449,7 +449,9 @@ class Pipeline:
         call.outcome = outcome
         framing = call.msg.framing
         try:
-            data = reply.data if reply.framing is framing else reframe(reply, framing)
+            # (a zlib THeader reply inflates up to the cluster's max_reply_size, as it came)
+            data = (reply.data if reply.framing is framing
+                    else reframe(reply, framing, None, call.cluster.pool_settings.max_reply_size))
         except ProtocolError as e:  # a reply we cannot re-frame (e.g. its zlib payload is broken)
             call.outcome = calls.MAY_HAVE_RUN
             self.fail(call, AppErrorType.INTERNAL_ERROR,

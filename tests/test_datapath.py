@@ -399,6 +399,54 @@ def test_strip_service_forwards_bare_names_to_a_plain_server(framing, protocol):
         up.stop()
 
 
+class _ZlibReplies(RawUpstream):
+    """A THeader upstream answering every `echo` with a zlib reply of `size` zero bytes."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        super().__init__()
+
+    def _one(self, c: socket.socket) -> None:
+        from thrift.Thrift import TMessageType
+        from thrift.protocol import THeaderProtocol
+        from thrift.transport import THeaderTransport, TTransport
+
+        from harness import HEADER_TYPES, TestService
+
+        for name, seqid in self.requests(c, "header", "binary"):
+            buf = TTransport.TMemoryBuffer()
+            prot = THeaderProtocol.THeaderProtocol(buf, HEADER_TYPES)
+            prot.add_transform(THeaderTransport.THeaderTransformID.ZLIB)
+            prot.writeMessageBegin(name.decode(), TMessageType.REPLY, seqid)
+            TestService.echo_result(success=b"\0" * self.size).write(prot)
+            prot.writeMessageEnd()
+            prot.trans.flush()
+            c.sendall(buf.getvalue())
+
+
+@pytest.mark.parametrize("max_reply, size, ok", [("32MiB", 20_000_000, True), ("4MiB", 8_000_000, False)])
+def test_a_deflated_reply_reframed_for_the_client_inflates_up_to_max_reply_size(max_reply, size, ok):
+    """A zlib THeader reply re-framed for a framed client is inflated up to the cluster's
+    max_reply_size, as for a reply that came inflated (before: 16,384,000 bytes whatever it said,
+    so a 20 MB reply under max_reply_size 32MiB failed as a bad reply)."""
+    up = _ZlibReplies(size)
+    try:
+        with Proxy(config_text([up.address], cluster_transport="header",
+                               extra_cluster=f"\n    max_reply_size: {max_reply}")) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(request_bytes("framed", "binary", "echo", b"x", seqid=9))
+                (r,) = read_messages(s, 1, "framed", "binary", timeout=30, max_size=64 << 20)
+            assert (r.seqid, r.name) == (9, "echo")
+            if ok:
+                assert r.type == MessageType.REPLY and len(r.data) > size
+            else:
+                x = app_exception(r)
+                assert x.message.startswith("thrift-sidecar: may have run: bad reply"), x.message
+                assert "exceeds 4194304 bytes" in x.message, x.message
+    finally:
+        up.close()
+
+
 @pytest.mark.parametrize("limit", [None, 1_000_000], ids=["default_limit", "max_frame_size_1MB"])
 def test_deflated_request_inflating_past_the_limit_is_refused(limit):
     """A small zlib THeader frame that would inflate past max_frame_size when re-framed: refused
