@@ -348,23 +348,23 @@ def _total_family(stats: list[MethodStats]) -> HistogramMetricFamily:
     return fam
 
 
-def _calls_family(stats: list[MethodStats]) -> CounterMetricFamily:
-    fam = CounterMetricFamily("thrift_sidecar_calls_total", "Calls by outcome.",
-                              labels=("service", "method", "outcome"))
-    for st in stats:
-        for outcome, n in list(st.outcomes.items()):
-            fam.add_metric((st.service, st.method, outcome), n)
-    return fam
+def _counts_family(name: str, text: str, label: str, counts: Callable[[MethodStats], dict]) -> Callable:
+    """A builder of the counter family `name`: one series per key of each label set's `counts`."""
+    def build(stats: list[MethodStats]) -> CounterMetricFamily:
+        fam = CounterMetricFamily(name, text, labels=("service", "method", label))
+        for st in stats:
+            for key, n in list(counts(st).items()):
+                fam.add_metric((st.service, st.method, key), n)
+        return fam
+    return build
 
 
-def _undelivered_family(stats: list[MethodStats]) -> CounterMetricFamily:
-    fam = CounterMetricFamily("thrift_sidecar_replies_not_delivered_total",
-                              "Calls whose answer never reached their client (also in calls_total, by their outcome).",
-                              labels=("service", "method", "reason"))
-    for st in stats:
-        for why, n in list(st.undelivered.items()):
-            fam.add_metric((st.service, st.method, why), n)
-    return fam
+_calls_family = _counts_family("thrift_sidecar_calls_total", "Calls by outcome.", "outcome",
+                               lambda st: st.outcomes)
+_undelivered_family = _counts_family(
+    "thrift_sidecar_replies_not_delivered_total",
+    "Calls whose answer never reached their client (also in calls_total, by their outcome).", "reason",
+    lambda st: st.undelivered)
 
 
 def _histogram_lines(st: MethodStats) -> int:
