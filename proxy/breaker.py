@@ -36,7 +36,7 @@ Contract with the data path, per attempt on this endpoint:
     it holds; a slot is freed only in its own period, since every transition frees them all)
 
 Failed connects are the exception: the pool reports each one (through
-`proxy.cluster`) as `record(False, probe=False)` when it fails, whether or not
+`proxy.cluster`) as `record(False, 0)` when it fails, whether or not
 the attempt that wanted it still waits (a per-try or route timeout shorter
 than connect_timeout stops waiting first); the attempt itself then ends with
 `release(probe)` (its error says endpoint_fault=False), so each failed
