@@ -259,13 +259,13 @@ def test_a_call_after_a_oneway_on_a_refused_connection_is_not_sent(pki):
 def test_oneways_on_a_refused_connection_are_logged_counted_and_blamed(pki, caplog):
     """Oneways written on TLS 1.3 connections the server then refuses never reached the service,
     and no client waits to be told: each refusal is logged, counted (`oneways_refused`) and
-    counted against the endpoint by its breaker, as a failed connect is (each oneway's write
-    counted as a success: half the calls failed). Before: nothing at all; every oneway opened
-    another connection that counted as a successful connect."""
+    counted against the endpoint by its breaker, as a failed connect is (a oneway's write itself
+    gives no verdict: 3 failures of 3). Before: nothing at all; every oneway opened another
+    connection that counted as a successful connect."""
     up = TlsThriftServer(server_ctx(pki, require_client_cert=True), name="mtls-up")
     try:
         yaml = (tls_yaml(ca=pki / "ca.pem", server_name="users.internal")
-                + "\n    circuit_breaker: {failure_rate: 0.5, min_calls: 6, open_for: 30s}")
+                + "\n    circuit_breaker: {failure_rate: 0.5, min_calls: 3, open_for: 30s}")
         with Proxy(config_text([up.address], extra_cluster=yaml)) as p, client(p.port()) as c:
             with caplog.at_level(logging.WARNING, logger="proxy"):
                 for i in range(3):

@@ -665,12 +665,14 @@ class LateReader(RecordingUpstream):
 
 def test_time_the_upstream_held_the_client_back_is_not_the_clients_read_time():
     """request_read_timeout is the client's budget: the 1.3 s an upstream took no bytes, with
-    the client held back, is not counted against it. The client then pauses 0.5 s mid-request
-    (the timeout's whole 1.5 s passed by then) and finishes: its call is answered, not cut as
-    "bad request" (before: cut at 1.5 s, the client blamed for the upstream's stall)."""
+    the client held back, is not counted against it. The client then pauses 1.3 s mid-request
+    (the timeout's whole 2.5 s passed by then) and finishes: its call is answered, not cut as
+    "bad request" (before: cut at 2.5 s, the client blamed for the upstream's stall). (The
+    upstream has 1.2 s after its stall to take the first 40 MB: were the client still held back
+    when the timeout's time is up, the upstream would be blamed, rightly.)"""
     up = LateReader(stall=1.3)
     big = _echo_request(48 << 20, seqid=9)
-    text = _config(up.address, listener="\n    request_read_timeout: 1500ms\n    max_frame_size: 64MiB",
+    text = _config(up.address, listener="\n    request_read_timeout: 2500ms\n    max_frame_size: 64MiB",
                    route="        retry_buffer: 64KiB\n")
     try:
         with Proxy(text) as p, socket.create_connection(("127.0.0.1", p.port())) as s:
@@ -678,7 +680,7 @@ def test_time_the_upstream_held_the_client_back_is_not_the_clients_read_time():
             t0 = time.monotonic()
             s.sendall(big[:40 << 20])  # held back until the upstream reads (1.3 s): more than buffers hold
             held = time.monotonic() - t0
-            time.sleep(0.5)  # the client's own pause, across the 1.5 s mark
+            time.sleep(1.3)  # the client's own pause, across the 2.5 s mark
             s.sendall(big[40 << 20:])
             (reply,) = read_messages(s, 1, "framed", "binary", timeout=10)
     finally:
