@@ -251,9 +251,8 @@ class ServiceMetrics:
         self.service = service
         self.max_methods = max_methods
         self.by_name: dict[str, MethodStats] = {}  # wire name (maybe `Svc:method`) → its stats
-        self.stats: list[MethodStats] = []         # the label sets it counts in, in creation order
         self._sets = labels if labels is not None else LabelSets()
-        self._mine: set[int] = set()
+        self._mine: dict[tuple[str, str], MethodStats] = {}  # the label sets it counts in
         self._seen = 0                             # unknown names admitted so far
         self.other = self._stats_for(service, OTHER)
         self.invalid = self._stats_for(service, INVALID)
@@ -270,10 +269,9 @@ class ServiceMetrics:
         return (name[:i], name[i + 1:]) if i >= 0 else (self.service, name)
 
     def _stats_for(self, service: str, method: str) -> MethodStats:
-        st = self._sets.get(service, method)
-        if id(st) not in self._mine:
-            self._mine.add(id(st))
-            self.stats.append(st)
+        st = self._mine.get((service, method))
+        if st is None:
+            st = self._mine[(service, method)] = self._sets.get(service, method)
         return st
 
     def _admit(self, name: str) -> MethodStats:
@@ -306,7 +304,7 @@ class ServiceMetrics:
             st.undelivered[why] = st.undelivered.get(why, 0) + 1
 
     def label_count(self) -> int:
-        return len(self.stats)
+        return len(self._mine)
 
 
 # --------------------------------------------------------------------------------------------

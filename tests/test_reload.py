@@ -229,6 +229,15 @@ def test_reload_rebuilding_a_cluster_replaces_its_health_checker():
         up.stop()
 
 
+def _rebuilt(port: int, good: str, dead: str, connect_timeout: str, cluster_extra: str) -> str:
+    """A good and a dead endpoint; a reload to another connect_timeout rebuilds the cluster."""
+    return _one_listener("test", port, f'"{good}", "{dead}"', f"""
+    transport: framed
+    protocol: binary
+    connect_timeout: {connect_timeout}
+    {cluster_extra}""")
+
+
 def test_a_rebuilt_cluster_keeps_what_its_health_checks_knew():
     """A reload that rebuilds a cluster (here: another connect_timeout) starts a new checker,
     whose first round takes up to its timeout for an endpoint that never answers. Meanwhile the
@@ -241,11 +250,7 @@ def test_a_rebuilt_cluster_keeps_what_its_health_checks_knew():
     port = free_ports(1)[0]
 
     def text(ct: str) -> str:
-        return _one_listener("test", port, f'"{up.address}", "{dead}"', f"""
-    transport: framed
-    protocol: binary
-    connect_timeout: {ct}
-    health_check: {{interval: 30s, timeout: 2s, method: ping}}""")
+        return _rebuilt(port, up.address, dead, ct, "health_check: {interval: 30s, timeout: 2s, method: ping}")
 
     def health() -> dict:
         return p.call(lambda: {ep.label: ep.healthy for ep in p.server.clusters["up"].endpoints})
@@ -277,11 +282,7 @@ def test_a_rebuilt_cluster_keeps_its_endpoints_breakers_and_latency():
     port = free_ports(1)[0]
 
     def text(ct: str) -> str:
-        return _one_listener("test", port, f'"{up.address}", "{dead}"', f"""
-    transport: framed
-    protocol: binary
-    connect_timeout: {ct}
-    circuit_breaker: {{consecutive_failures: 2, open_for: 60s}}""")
+        return _rebuilt(port, up.address, dead, ct, "circuit_breaker: {consecutive_failures: 2, open_for: 60s}")
 
     def breakers() -> dict:
         return p.call(lambda: {ep.label: (ep.breaker.state_name, ep.breaker.opened_count)

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from thrift.Thrift import TApplicationException
 
-from harness import Proxy, ThriftServer, client, wait_for
+from harness import Proxy, RawUpstream, ThriftServer, client, wait_for
 
 
 def cfg(upstreams, route_extra="", cluster_extra="", lb="round_robin", listener_extra="") -> str:
@@ -371,35 +371,13 @@ def test_no_endpoint_errors_say_why(tmp_path):
                                "1 ejected (breaker open), 0 failing health checks"), e.value.message
 
 
-class Hung:
+class Hung(RawUpstream):
     """Accepts and reads every connection, never answers: a deadlocked server."""
 
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.address = "127.0.0.1:%d" % self.sock.getsockname()[1]
-        self.conns: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            self.conns.append(c)
-            threading.Thread(target=self._drain, args=(c,), daemon=True).start()
-
-    @staticmethod
-    def _drain(c: socket.socket) -> None:
+    def _one(self, c: socket.socket) -> None:
         with contextlib.suppress(OSError):
             while c.recv(65536):
                 pass
-
-    def close(self) -> None:
-        self.sock.close()
-        for c in self.conns:
-            with contextlib.suppress(OSError):
-                c.close()
 
 
 def test_oneways_written_to_a_hung_endpoint_do_not_keep_its_breaker_closed():
