@@ -14,8 +14,13 @@ import logging
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from proxy.logs import Throttle
 
 log = logging.getLogger(__name__)
+# aiohttp's request handlers log here (not to `aiohttp.server`), through `_BadRequests`
+http_log = logging.getLogger("proxy.admin.http")
 
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -57,6 +62,27 @@ def _app(sources: AdminSources, endpoints: set[str]) -> web.Application:
     return app
 
 
+class _BadRequests(logging.Filter):
+    """A client's malformed HTTP request (aiohttp answers it 400) is the client's fault, not
+    ours: one warning line without a traceback, thinned per kind to one per 10 s, instead of
+    aiohttp's ERROR with a full traceback per request (a log flood from any port scanner).
+    Anything else aiohttp logs (a handler's own exception) goes out as it came."""
+
+    def __init__(self, throttle: Throttle) -> None:
+        super().__init__()
+        self.throttle = throttle
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        kind = type(exc).__name__
+        self.throttle.warn(log, ("bad_http", kind), "admin: bad HTTP request from %s, answered %d: %s",
+                           record.args[0] if record.args else "?", exc.code or 400,
+                           (exc.message or kind).splitlines()[0][:200])
+        return False
+
+
 ALL = {"/ready", "/live", "/metrics", "/stats", "/config"}
 HEALTH = {"/ready", "/live"}
 METRICS = {"/metrics"}
@@ -69,10 +95,13 @@ class AdminServer:
         self.sources = sources
         self.runners: list[web.AppRunner] = []
         self.addresses: dict[str, tuple[str, int]] = {}
+        if not any(isinstance(f, _BadRequests) for f in http_log.filters):
+            http_log.addFilter(_BadRequests(Throttle(10.0)))
 
     async def start(self, kind: str, host: str, port: int) -> tuple[str, int]:
         endpoints = {"admin": ALL, "health": HEALTH, "metrics": METRICS}[kind]
-        runner = web.AppRunner(_app(self.sources, endpoints), access_log=None, handle_signals=False)
+        runner = web.AppRunner(_app(self.sources, endpoints), access_log=None, handle_signals=False,
+                                logger=http_log)
         await runner.setup()
         site = web.TCPSite(runner, host, port, reuse_address=True)
         await site.start()

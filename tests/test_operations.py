@@ -247,6 +247,30 @@ def test_admin_endpoints_over_real_http():
         up.stop()
 
 
+def test_a_malformed_admin_request_is_answered_400_and_logged_in_one_thinned_line():
+    """A port scanner's garbage is the client's fault: no ERROR with a traceback per request."""
+    import socket
+
+    up = ThriftServer()
+    port, admin = free_ports(2)
+    try:
+        with ProxyProcess(_config(port, up.address, admin_port=admin), [port, admin]) as p:
+            bad = b"GET /stats HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n"
+            for _ in range(5):
+                with socket.create_connection(("127.0.0.1", admin), timeout=5) as s:
+                    s.sendall(bad)
+                    assert s.recv(64).startswith(b"HTTP/1.0 400 ")
+            assert _get(f"http://127.0.0.1:{admin}/live") == (200, "live\n")  # still serving
+            wait_for(lambda: "bad HTTP request" in p.output(), timeout=5, what="the warning")
+            lines = [json.loads(line) for line in p.output().splitlines() if line.startswith("{")]
+            bad_lines = [line for line in lines if "bad HTTP request" in line["msg"]]
+            assert len(bad_lines) == 1, bad_lines  # 5 requests, one line within 10 s
+            assert bad_lines[0]["level"] == "warning" and "Content-Length" in bad_lines[0]["msg"]
+            assert not [line for line in lines if line["level"] == "error" or "exc" in line]
+    finally:
+        up.stop()
+
+
 def test_hot_path_debug_logging_is_guarded(monkeypatch):
     """With debug off, nothing on the call path formats its arguments; with it on, it does."""
     from harness import Proxy, config_text
