@@ -878,7 +878,10 @@ class ClientConnection(asyncio.Protocol):
             # metrics and spans as in the client's answer: method and seqid, not `_INVALID`.
             msg = (Message(head.name, head.type, head.seqid, head.framing, head.protocol, b"", 0, None, b"", 0)
                    if head.name else None)
-            err = Call(self, msg, self.t_first, monotonic_ns(), self.state.pipeline)
+            pipeline = self.state.pipeline
+            pipeline.stats["calls"] += 1   # (as calls_total counts it: outcome bad_request)
+            pipeline.stats["errors"] += 1
+            err = Call(self, msg, self.t_first, monotonic_ns(), pipeline)
             err.outcome = BAD_REQUEST
             err.error = e.message
             err.reply = exception_reply(head, e.app_type, PREFIX + e.message)

@@ -228,7 +228,8 @@ def test_garbage_bytes_get_protocol_error_then_close(guard, listener):
     rng = random.Random(11)
     samples = [b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",
                b"\xff" * 64] + [rng.randbytes(rng.choice((5, 100, 4096))) for _ in range(12)]
-    errors_before = guard.listener(listener)["protocol_errors"]
+    before = guard.listener(listener)
+    errors_before = before["protocol_errors"]
     answered = 0
     for garbage in samples:
         with socket.create_connection(("127.0.0.1", port)) as s:
@@ -244,7 +245,10 @@ def test_garbage_bytes_get_protocol_error_then_close(guard, listener):
                 answered += 1
                 assert_bad_request(msgs[0])
     assert answered == len(samples)  # each got a readable PROTOCOL_ERROR, then the close
-    assert guard.listener(listener)["protocol_errors"] >= errors_before + len(samples)
+    after = guard.listener(listener)
+    assert after["protocol_errors"] >= errors_before + len(samples)
+    # each answered one is a call with outcome bad_request, in /stats as in calls_total
+    assert after["calls"] >= before["calls"] + answered and after["errors"] >= before["errors"] + answered
 
 
 @pytest.mark.parametrize("length", [0x7FFFFFFF, 0x80000000, 0xFFFFFFFF])
