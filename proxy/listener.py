@@ -522,6 +522,9 @@ class ClientConnection(asyncio.Protocol):
         if not self.paused_reading and not self.closing:
             self.paused_reading = True
             self.transport.pause_reading()
+        # Not reading is our doing, not the client's delay: its read deadline stops until writing
+        # resumes (the write-stall check bounds a client that stops reading its replies).
+        self._disarm_read()
         if self._stall_timer is None and self.settings.request_read_timeout > 0:
             self._stall_mark = self._client_read()
             self._stall_seen = monotonic_ns()
@@ -558,6 +561,8 @@ class ClientConnection(asyncio.Protocol):
             self._last_active = now
         if self.stream_call is not None:
             self.stream_call.client_paused_ns += now - self._paused_at
+        if self.upload is not None:
+            self.t_first += now - self._paused_at  # (its read deadline stood still: pause_writing)
         if self.stream_up is not None:
             self.stream_up.resume_reading()
         self._maybe_resume()

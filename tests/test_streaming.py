@@ -13,7 +13,8 @@ import time
 import pytest
 
 from harness import (Proxy, ProxyProcess, RawUpstream, ThriftServer, client, config_text, free_port, proc_status,
-                     read_messages, reply_bytes, request_bytes, small_window_client, wait_for)
+                     app_exception, read_messages, reply_bytes, request_bytes, small_window_client,
+                     wait_for)
 from proxy.codec import Decoder, Framing, MessageType, Protocol
 from proxy.codec.heads import write_varint
 
@@ -973,6 +974,50 @@ def test_a_client_that_never_reads_a_stream_is_closed_after_one_timeout_not_two(
                 took = time.monotonic() - paused
         print(f"closed as a write stall {took:.2f}s after the pause")
         assert 1.9 <= took < 3.6, took  # (before: ~4 s, two whole timeouts)
+    finally:
+        up.stop()
+
+
+def test_a_slow_reader_is_not_cut_for_a_request_the_proxy_stopped_reading():
+    """The replies back up (a ~10 MB reply, a client reading ~2.5 MB/s), so the proxy stops
+    reading; the client's next request is half read. That pause is the proxy's doing: the
+    request is answered, not cut with "request not complete within request_read_timeout"
+    (before: a PROTOCOL_ERROR 2 s in, and the connection closed)."""
+    up = ThriftServer("framed", "binary")
+    try:
+        text = config_text([up.address]).replace(
+            "    protocol: binary\n    routes", "    protocol: binary\n    request_read_timeout: 2s\n    routes")
+        with Proxy(text) as p:
+            s = small_window_client(p.port(), 32 * 1024)
+            with s:
+                nxt = request_bytes("framed", "binary", "lookup", "k", seqid=2)
+                s.sendall(request_bytes("framed", "binary", "get_users", 58000, 0, seqid=1) + nxt[:22])
+                state = p.server.listeners["test"]
+                wait_for(lambda: any(c.paused_writing for c in list(state.connections)), what="writing paused")
+                time.sleep(0.2)
+                s.sendall(nxt[22:])  # the whole request, within 0.2 s
+                s.settimeout(10)
+                got = bytearray()
+                t0 = time.monotonic()
+                while True:  # slow but steady: 64 KiB every 25 ms, for ~4 s
+                    chunk = s.recv(65536)
+                    if not chunk:
+                        break
+                    got += chunk
+                    if len(got) > 4 and len(got) >= 4 + struct.unpack_from("!i", got)[0] + 4:
+                        (n1,) = struct.unpack_from("!i", got)
+                        if len(got) >= 8 + n1 + struct.unpack_from("!i", got, 4 + n1)[0]:
+                            break  # both replies whole
+                    time.sleep(0.025)
+                took = time.monotonic() - t0
+            assert took > 2.5, f"the reply was read in {took:.1f}s: no longer than the timeout, no test"
+            (n1,) = struct.unpack_from("!i", got)
+            second = bytes(got[4 + n1:])
+            dec = Decoder(Framing.FRAMED, Protocol.BINARY, 1 << 20)
+            dec.feed(second)
+            r = dec.next_message()
+            assert (r.seqid, r.type) == (2, MessageType.REPLY), app_exception(r).message if r.type == 3 else r
+            assert state.stats["read_timeouts"] == 0 and state.stats["protocol_errors"] == 0
     finally:
         up.stop()
 
