@@ -906,10 +906,48 @@ class ClientConnection(asyncio.Protocol):
         if self.transport is None:
             return
         self._closed_why = self._closed_why or f"the proxy shut down ({why})"
+        # Nothing more is read or started: answering the open calls must not resume reading and
+        # hand requests held back at max_inflight to the pipeline (they would start upstream).
+        self.closing = True
+        self._disarm_read()
+        self._refuse_held(f"not sent: the proxy shut down before it handled this request ({why})")
         for call in list(self.queue):
             if call.reply is None and call.pipeline is not None:
                 call.pipeline.shutting_down(call, f"the proxy shut down before its reply ({why})")
+        if self.queue and self.queue[0].reply is not None:
+            self.call_done(self.queue[0])  # (only held ones: no call was open)
         self.transport.close()  # (only connection_lost, which comes later, drops the transport)
+
+    def _refuse_held(self, text: str) -> None:
+        """Whole requests read but not yet handed to the pipeline (held back at max_inflight) get
+        `text` as their answer, queued behind the open calls (written with them: `shut_down`),
+        each with its own seqid; oneways among them are logged and counted as failed
+        (`Pipeline.fail`). Bytes still in the kernel were never read: the close resets them,
+        which no client takes for an answer."""
+        pipeline = self.state.pipeline
+        now = monotonic_ns()
+        while True:
+            try:
+                msg = self.decoder.next_message()
+            except ProtocolError:
+                return  # (a bad frame: what follows it is not readable either)
+            if msg is None:
+                return
+            if msg.type != M_CALL and msg.type != M_ONEWAY:
+                continue  # (a reply-typed message from a client gets nothing: as when read)
+            pipeline.stats["calls"] += 1
+            call = Call(self, msg, self._held_since or self.t_first, now, pipeline)
+            call.oneway = msg.type == M_ONEWAY or self._oneway_name(msg.name)
+            call.outcome = NOT_SENT
+            if call.oneway:
+                pipeline.fail(call, AppErrorType.INTERNAL_ERROR, text)
+                continue
+            pipeline.stats["errors"] += 1
+            call.error = text
+            call.error_type = NOT_SENT
+            call.t_done = now
+            call.reply = exception_reply(msg.head, AppErrorType.INTERNAL_ERROR, PREFIX + text)
+            self.queue.append(call)  # (not written yet: call_done would half-close after the first)
 
     def _close_after_replies(self) -> None:
         """Lingering close: send FIN after the replies, keep reading, then close."""

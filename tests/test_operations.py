@@ -188,6 +188,38 @@ clusters:
     assert "drain_timeout 1s passed" in server[0]["status"]["message"]
 
 
+def test_requests_held_back_at_max_inflight_are_answered_at_the_drain_deadline_and_never_started():
+    """max_inflight 2, five 3 s calls pipelined, SIGTERM's drain (drain_timeout 1s) ends with
+    them open: the two started ones hear "may have run", the three held back "not sent", each
+    with its seqid, and none of those three reaches the upstream. Before: answering the first
+    two resumed reading, which started the held ones upstream as the proxy stopped, and the
+    client got EOF for them."""
+    import socket
+
+    from harness import Proxy, app_exception, config_text, read_messages, request_bytes
+
+    up = ThriftServer()
+    try:
+        with Proxy("drain_timeout: 1s\n" + config_text([up.address])) as p:
+            object.__setattr__(p.server.listeners["test"].settings, "max_inflight", 2)
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(b"".join(request_bytes("framed", "binary", "sleep", 3000, seqid=i) for i in range(1, 6)))
+                wait_for(lambda: up.handler.calls == 2, what="two calls upstream")
+                p.loop.call_soon_threadsafe(p.server.request_stop)  # what SIGTERM does
+                msgs = read_messages(s, 5, "framed", "binary", timeout=10)
+            p.thread.join(10)
+    finally:
+        up.stop()
+    assert [m.seqid for m in msgs] == [1, 2, 3, 4, 5]
+    texts = [app_exception(m).message for m in msgs]
+    assert texts[:2] == ["thrift-sidecar: may have run: the proxy shut down before its reply "
+                         "(drain_timeout 1s passed)"] * 2, texts
+    assert texts[2:] == ["thrift-sidecar: not sent: the proxy shut down before it handled this request "
+                         "(drain_timeout 1s passed)"] * 3, texts
+    time.sleep(0.3)
+    assert up.handler.calls == 2  # the held ones never started
+
+
 def test_admin_endpoints_over_real_http():
     up = ThriftServer()
     dead = ThriftServer()
