@@ -18,6 +18,20 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def _count(low: int, high: int | None = None):
+    """An argparse type: a whole number from `low` (to `high`), else a usage error that says so."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if n < low or (high is not None and n > high):
+            raise argparse.ArgumentTypeError(
+                f"must be {low}-{high}" if high is not None else f"must be at least {low}")
+        return n
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="thrift-sidecar",
                                 description="A localhost Thrift proxy sidecar with per-hop traces.")
@@ -28,12 +42,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("-c", "--config", required=True, metavar="FILE", help="YAML config file")
 
     check = sub.add_parser("check-config", help="validate a config file and print a summary")
-    check.add_argument("file", metavar="FILE")
+    given = check.add_mutually_exclusive_group(required=True)
+    given.add_argument("file", metavar="FILE", nargs="?")
+    given.add_argument("-c", "--config", dest="config_file", metavar="FILE", help="the same, as `run` takes it")
 
     demo = sub.add_parser("demo", help="run the demo: upstreams, sidecar, clients, hop table")
     demo.add_argument("--out", default="out/demo", metavar="DIR",
                       help="where the span file and the waterfall go (default out/demo)")
-    demo.add_argument("--calls", type=int, default=120, metavar="N", help="calls in the client's mix (120)")
+    demo.add_argument("--calls", type=_count(1), default=120, metavar="N", help="calls in the client's mix (120)")
     demo.add_argument("--otlp", metavar="ENDPOINT",
                       help="also export the spans there, e.g. http://127.0.0.1:4317 (or set "
                            "THRIFT_SIDECAR_DEMO_OTLP)")
@@ -43,20 +59,20 @@ def _parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("demo-upstream", help="serve the demo's UserService until SIGTERM")
     up.add_argument("--host", default="0.0.0.0", help="address to listen on (0.0.0.0: every interface)")
-    up.add_argument("--port", type=int, default=9191, help="port (0: any free port; printed)")
+    up.add_argument("--port", type=_count(0, 65535), default=9191, help="port (0: any free port; printed)")
     up.add_argument("--framing", choices=("framed", "buffered", "header"), default="framed")
     up.add_argument("--protocol", choices=("binary", "compact"), default="binary")
-    up.add_argument("--fail-every", type=int, default=0, metavar="N",
+    up.add_argument("--fail-every", type=_count(0), default=0, metavar="N",
                     help="answer 1 get_users in N with the declared Unavailable exception")
 
     client = sub.add_parser("demo-client", help="make a mix of UserService calls (with --forever until SIGTERM)")
     client.add_argument("--target", required=True, metavar="HOST:PORT", help="the sidecar's listener")
-    client.add_argument("--count", type=int, default=120, metavar="N", help="calls per round (120)")
+    client.add_argument("--count", type=_count(1), default=120, metavar="N", help="calls per round (120)")
     client.add_argument("--forever", action="store_true", help="repeat rounds until SIGTERM/SIGINT")
     client.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
                         help="with --forever: pause between rounds (1)")
-    client.add_argument("--connections", type=int, default=4, metavar="N", help="concurrent connections (4)")
-    client.add_argument("--large", type=int, default=2, metavar="N",
+    client.add_argument("--connections", type=_count(1), default=4, metavar="N", help="concurrent connections (4)")
+    client.add_argument("--large", type=_count(0), default=2, metavar="N",
                         help="5,499-user get_users calls per round, read normally (2)")
     client.add_argument("--no-slow-reader", dest="slow_reader", action="store_false",
                         help="leave out the slow-reading client")
@@ -74,9 +90,9 @@ def _parser() -> argparse.ArgumentParser:
     hops.add_argument("--method", metavar="M", help="only this method (`get_users`, `Svc/get_*`; globs)")
     hops.add_argument("--by", choices=("method", "endpoint", "client"), default="method",
                       help="group calls by method (default), upstream endpoint or client connection")
-    hops.add_argument("--worst", type=int, default=5, metavar="N", help="list (and draw) the N slowest calls")
+    hops.add_argument("--worst", type=_count(0), default=5, metavar="N", help="list (and draw) the N slowest calls")
     hops.add_argument("--html", metavar="FILE", help="also write a waterfall of the worst calls as HTML")
-    hops.add_argument("--limit", type=int, default=1000, metavar="N", help="with --jaeger: at most N traces")
+    hops.add_argument("--limit", type=_count(1), default=1000, metavar="N", help="with --jaeger: at most N traces")
     hops.add_argument("--lookback", default="1h", metavar="DURATION", help="with --jaeger: how far back (1h)")
     return p
 
@@ -94,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "check-config":
-        return _check_config(args.file)
+        return _check_config(args.file or args.config_file)
     if args.command == "run":
         # SIGHUP's default action ends the process: until the server handles it (once it is
         # up), a reload asked for is noted here (before the server's heavy imports) and done then.

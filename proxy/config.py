@@ -230,12 +230,23 @@ def _url(value: str) -> str:
     return value
 
 
+def _section_not_null(value: object) -> object:
+    """A section written with nothing under it (`tls:` and only comments) is YAML null: an
+    error, not "absent" (`tls:` with its keys commented out silently meant plaintext)."""
+    if value is None:
+        raise ValueError("must be a mapping ({} for the defaults, or leave the key out)")
+    return value
+
+
 InputPath = Annotated[Path, BeforeValidator(_path_text), AfterValidator(_input_path),
                       AfterValidator(_regular_if_present)]
 OutputPath = Annotated[Path, BeforeValidator(_path_text)]
 Ratio = Annotated[float, Strict(), AfterValidator(_ratio)]
 Count = Annotated[int, Strict(), Field(ge=0)]
 PositiveCount = Annotated[int, Strict(), Field(ge=1)]
+MAX_WEIGHT = 1_000_000  # (a 400-digit weight overflowed the float pick: every call dropped)
+Weight = Annotated[int, Strict(), Field(ge=0, le=MAX_WEIGHT)]
+PositiveWeight = Annotated[int, Strict(), Field(ge=1, le=MAX_WEIGHT)]
 
 # Thrift transports are "framing" in code (asyncio has its own Transport and Protocol).
 ListenerFraming = Literal["framed", "buffered", "header", "auto"]
@@ -354,6 +365,14 @@ class Retry(_Model):
     on_exceptions: tuple[Annotated[int | str, BeforeValidator(_exception_ref)], ...] = ()
     backoff: Backoff = Backoff()
 
+    @model_validator(mode="after")
+    def _exceptions_need_idempotent(self) -> Retry:
+        if self.on_exceptions and self.idempotent is False:
+            # (a declared exception means the call ran: it is only retried for idempotent methods)
+            raise _At("on_exceptions", "only retried for idempotent methods: set idempotent "
+                                       "(true, or globs of the methods it may retry)")
+        return self
+
 
 def _header_match(value: object) -> object:
     if isinstance(value, str):
@@ -401,7 +420,7 @@ class Match(_Model):
 
 class WeightedCluster(_Model):
     cluster: Name
-    weight: Count = 1
+    weight: Weight = 1
 
 
 class Route(_Model):
@@ -422,6 +441,10 @@ class Route(_Model):
             raise _At("cluster", "a route needs cluster or weighted")
         if self.weighted is not None and sum(w.weight for w in self.weighted) == 0:
             raise _At("weighted", "weights must add up to more than 0")
+        per_try = self.retry.per_try_timeout
+        if self.timeout and per_try >= self.timeout:
+            raise _At(("retry", "per_try_timeout"), f"must be less than the route timeout "
+                      f"({format_duration(self.timeout)}): it would never end an attempt to retry it")
         return self
 
     @property
@@ -493,7 +516,7 @@ def _endpoint(value: object) -> object:
 
 class Endpoint(_Model):
     address: EndpointAddress
-    weight: PositiveCount = 1
+    weight: PositiveWeight = 1
 
 
 class DnsEndpoints(_Model):
@@ -598,7 +621,8 @@ class HealthCheck(_Model):
 
 class RetryBudget(_Model):
     ratio: Ratio = 0.2  # retries may add this share of the calls in `window`
-    min_per_second: Annotated[float, Strict(), Field(ge=0)] = 10.0
+    # (bounded: an infinite reserve made /stats answer 500)
+    min_per_second: Annotated[float, Strict(), Field(ge=0, le=1_000_000, allow_inf_nan=False)] = 10.0
     window: PositiveDuration = 10.0
 
 
@@ -631,9 +655,9 @@ class Cluster(_Model):
     pool: Pool = Pool()
     limits: Limits = Limits()
     circuit_breaker: CircuitBreaker = CircuitBreaker()
-    health_check: HealthCheck | None = None
+    health_check: Annotated[HealthCheck | None, BeforeValidator(_section_not_null)] = None
     retry_budget: RetryBudget = RetryBudget()
-    tls: Tls | None = None
+    tls: Annotated[Tls | None, BeforeValidator(_section_not_null)] = None
 
     @model_validator(mode="after")
     def _health_check_needs_wire(self) -> Cluster:
@@ -651,7 +675,7 @@ class Cluster(_Model):
 
 
 class Config(_Model):
-    admin: Admin | None = None  # no admin section = no admin listener
+    admin: Annotated[Admin | None, BeforeValidator(_section_not_null)] = None  # none: no admin listener
     metrics_listen: ListenAddress | None = None  # /metrics alone, without an admin section
     logging: Logging = Logging()
     reload: Reload = Reload()
@@ -684,8 +708,17 @@ class Config(_Model):
         raise KeyError(name)
 
     def effective(self) -> dict[str, Any]:
-        """Every key with its effective value, JSON-able (admin `/config`); loads back as is."""
-        return self.model_dump(mode="json")
+        """Every key with its effective value, JSON-able (admin `/config`); loads back as is.
+        Sections left out (admin, a cluster's tls and health_check) stay out: written null, they
+        would be a config error (`_section_not_null`)."""
+        data = self.model_dump(mode="json")
+        if data.get("admin") is None:
+            data.pop("admin", None)
+        for cluster in data["clusters"]:
+            for key in ("tls", "health_check"):
+                if cluster.get(key) is None:
+                    cluster.pop(key, None)
+        return data
 
 
 def _valid_listeners(data: Any, context: dict) -> list[tuple[int, Listener]]:
@@ -816,7 +849,7 @@ def load(path: str | Path, again: bool = False) -> Config:
     (`_read_again`)."""
     filename = str(path)
     try:
-        text = _read_again(path) if again else Path(path).read_text(encoding="utf-8")
+        text = _read_again(path) if again else _read_first(path)
     except OSError as e:
         raise ConfigError([f"{filename}:0: (file): {e.strerror or e}"]) from None
     except UnicodeDecodeError as e:
@@ -877,14 +910,32 @@ def line_of_key(path: str | Path, loc: Loc) -> int:
     return _line_of(loc, lines)
 
 
+MAX_CONFIG_FILE = 16 * 1024 * 1024  # bytes: a config is kilobytes; /dev/zero is endless
+
+
+def _read_first(path: str | Path) -> str:
+    """The config file's text at start-up: a regular file or a pipe (`run -c <(...)`), at most
+    MAX_CONFIG_FILE bytes (a device, or a file that size, is refused: ValueError)."""
+    with open(path, "rb") as f:
+        mode = os.fstat(f.fileno()).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+            raise ValueError(f"must be a regular file or a pipe; it is {special_file(mode)}")
+        raw = f.read(MAX_CONFIG_FILE + 1)
+    if len(raw) > MAX_CONFIG_FILE:
+        raise ValueError(f"larger than {MAX_CONFIG_FILE // (1024 * 1024)} MiB")
+    return raw.decode("utf-8")
+
+
 def _read_again(path: str | Path) -> str:
     """The text of the config file at `path`, read again while serving (reload, an error's
     line): it must be a regular file, and it is opened with O_NONBLOCK, so that a FIFO put in
     its place is refused (ValueError) instead of holding the loop's thread in `open()` until
     some writer comes. At start-up any readable file does (`run -c <(...)`: `load`)."""
-    raw, kind = read_regular(path)
+    raw, kind = read_regular(path, MAX_CONFIG_FILE + 1)
     if kind is not None:
         raise ValueError(f"must be a regular file to be read again; it is {kind} now")
+    if len(raw) > MAX_CONFIG_FILE:
+        raise ValueError(f"larger than {MAX_CONFIG_FILE // (1024 * 1024)} MiB")
     return raw.decode("utf-8")
 
 

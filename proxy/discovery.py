@@ -314,6 +314,8 @@ def parse_endpoints_file(text: str) -> list[Spec]:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise ValueError(f"not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
+    except RecursionError:  # (the YAML parser recurses per level of nesting)
+        raise ValueError("not valid YAML: nested too deeply") from None
     if data is None:
         raise ValueError("no endpoints (empty file)")
     if not isinstance(data, list):
@@ -377,6 +379,10 @@ class FileSource(Source):
             return
         except (ValueError, UnicodeDecodeError) as e:
             self.fail(self.origin, str(e))
+            return
+        except Exception as e:  # noqa: BLE001 - our bug, not the file's: still the last good set
+            log.exception("%s: reading it failed", self.origin)
+            self.fail(self.origin, f"unexpected error: {e!r}")
             return
         self.apply(specs, self.origin)
 

@@ -19,6 +19,8 @@ from typing import NamedTuple
 DURATION_RULE = "duration must look like 250ms, 2s or 1m"
 SIZE_RULE = "size must be a whole number of bytes or look like 512KB or 16MiB"
 ADDRESS_RULE = "address must look like host:port or [::1]:port"
+MAX_DURATION = 365 * 24 * 3600  # seconds: no timer of the proxy's means more than a year
+_TOO_LONG = f"duration must be at most {MAX_DURATION // 3600}h (a year)"
 
 # Largest unit first: format_duration picks the first unit that says the value exactly.
 _DURATION_UNITS: tuple[tuple[str, Fraction], ...] = (
@@ -52,10 +54,12 @@ def parse_duration(value: object) -> float:
     if isinstance(value, bool):
         raise ValueError(DURATION_RULE)
     if isinstance(value, (int, float)):
-        if not math.isfinite(value):
+        if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(DURATION_RULE)
         if value < 0:
             raise ValueError("duration must not be negative")
+        if value > MAX_DURATION:  # (before float(): a 400-digit int overflows it)
+            raise ValueError(_TOO_LONG)
         return float(value)
     if not isinstance(value, str):
         raise ValueError(DURATION_RULE)
@@ -63,11 +67,14 @@ def parse_duration(value: object) -> float:
     if text.startswith("-"):
         raise ValueError("duration must not be negative")
     if re.fullmatch(_NUMBER, text):
-        return float(Fraction(text))
-    if not _DURATION_FULL.fullmatch(text):
+        total = Fraction(text)
+    elif _DURATION_FULL.fullmatch(text):
+        total = sum((Fraction(number) * _DURATION_SCALE[unit]
+                     for number, unit in _DURATION_PART.findall(text)), Fraction(0))
+    else:
         raise ValueError(DURATION_RULE)
-    total = sum((Fraction(number) * _DURATION_SCALE[unit]
-                 for number, unit in _DURATION_PART.findall(text)), Fraction(0))
+    if total > MAX_DURATION:
+        raise ValueError(_TOO_LONG)
     return float(total)  # Fraction → float rounds once, so "1.7ms" is the float nearest 0.0017
 
 

@@ -24,6 +24,25 @@ def test_check_config_valid_exits_0_with_summary():
     assert "listener" in r.stdout and "max_frame_size" in r.stdout  # effective defaults are printed
 
 
+def test_check_config_takes_the_file_as_run_does_too():
+    same = _cli("check-config", "-c", "config/example.yaml")
+    assert same.returncode == 0 and same.stdout == _cli("check-config", "config/example.yaml").stdout
+    both = _cli("check-config", "config/example.yaml", "-c", "config/minimal.yaml")
+    assert both.returncode == 2 and "not allowed with argument FILE" in both.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    (("demo-upstream", "--port", "99999"), "argument --port: must be 0-65535"),
+    (("demo-upstream", "--port", "-1"), "argument --port: must be 0-65535"),
+    (("hops", "--spans", "x.jsonl", "--limit", "-1"), "argument --limit: must be at least 1"),
+    (("demo", "--calls", "0"), "argument --calls: must be at least 1"),
+    (("demo-client", "--target", "127.0.0.1:1", "--connections", "x"), "argument --connections: not a whole number"),
+])
+def test_out_of_range_numbers_are_usage_errors_not_tracebacks(args, says):
+    r = _cli(*args)
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_check_config_invalid_exits_2_with_file_line_errors(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("listeners:\n  - listen: 127.0.0.1:70000\n    routes:\n      - cluster: nope\n")

@@ -174,6 +174,19 @@ def test_relative_input_paths_resolve_against_the_config_folder(tmp_path):
     assert cfg.clusters[0].tls.ca == Path("/abs/ca.pem")
 
 
+def test_the_config_file_is_a_file_or_a_pipe_of_bounded_size(tmp_path):
+    """/dev/zero was read until memory ran out (a MemoryError traceback, or the OOM killer)."""
+    with pytest.raises(ConfigError) as info:
+        load("/dev/zero")
+    assert info.value.errors == ["/dev/zero:0: (file): must be a regular file or a pipe; it is a character device"]
+    big = tmp_path / "big.yaml"
+    big.write_text(MINIMAL + "#" * (16 * 1024 * 1024))
+    for again in (False, True):
+        with pytest.raises(ConfigError) as info:
+            load(big, again=again)
+        assert info.value.errors == [f"{big}:0: (file): larger than 16 MiB"]
+
+
 @pytest.mark.parametrize("kind, make", [("a FIFO", os.mkfifo), ("a directory", os.mkdir)])
 @pytest.mark.parametrize("key, old, new, line", [
     ("clusters[0].endpoints.file", "[127.0.0.1:9191]", "{file: input}", 6),
@@ -296,6 +309,24 @@ ENDPOINTS = "[127.0.0.1:9191]"
     ("name: users\n", "name: users\n    retry_budget: {min_per_second: .inf, ratio: .nan}\n",
      ["6: clusters[0].retry_budget.ratio: must be a finite number",
       "6: clusters[0].retry_budget.min_per_second: must be a finite number"]),
+    # numbers no pick or budget can use (400 digits overflowed the float pick: every call dropped)
+    (ENDPOINTS, "[{address: 'x:1', weight: 1000001}]",
+     ["6: clusters[0].endpoints[0].weight: must be at most 1000000"]),
+    (ROUTE, "[{weighted: [{cluster: users, weight: %s}]}]" % ("9" * 400),
+     ["3: listeners[0].routes[0].weighted[0].weight: must be at most 1000000"]),
+    ("name: users\n", "name: users\n    retry_budget: {min_per_second: 1.0e+308}\n",
+     ["6: clusters[0].retry_budget.min_per_second: must be at most 1000000.0"]),
+    (ROUTE, "[{cluster: users, retry: {attempts: 3, on_exceptions: [1]}}]",
+     ["3: listeners[0].routes[0].retry.on_exceptions: only retried for idempotent methods: set idempotent "
+      "(true, or globs of the methods it may retry)"]),
+    (ROUTE, "[{cluster: users, timeout: 1s, retry: {attempts: 3, per_try_timeout: 1s}}]",
+     ["3: listeners[0].routes[0].retry.per_try_timeout: must be less than the route timeout (1s): "
+      "it would never end an attempt to retry it"]),
+    # a section with only comments under it is null: not "absent" (tls would silently be off)
+    ("name: users\n", "name: users\n    tls:\n      # ca: ca.pem\n",
+     ["6: clusters[0].tls: must be a mapping ({} for the defaults, or leave the key out)"]),
+    ("clusters:", "admin:\nclusters:",
+     ["4: admin: must be a mapping ({} for the defaults, or leave the key out)"]),
     ("clusters:", "tracing: {otlp_protocol: http, endpoint: '127.0.0.1:4318'}\nclusters:",
      ["4: tracing.endpoint: must be an http:// or https:// URL, e.g. http://127.0.0.1:4317"]),
     ("clusters:", "tracing: {endpoint: 'ftp://127.0.0.1:4317'}\nclusters:",
@@ -403,6 +434,10 @@ def test_parse_duration(text, seconds):
     ("", "duration must look like 250ms, 2s or 1m"), (True, "duration must look like 250ms, 2s or 1m"),
     (None, "duration must look like 250ms, 2s or 1m"), (math.inf, "duration must look like 250ms, 2s or 1m"),
     ("-1s", "duration must not be negative"), (-3, "duration must not be negative"),
+    # over a year (a 400-digit number overflowed float(): a traceback, and a dead reload watch)
+    (10**400, "duration must be at most 8760h (a year)"), ("9" * 400, "duration must be at most 8760h (a year)"),
+    ("1" + "0" * 400 + ".5ms", "duration must be at most 8760h (a year)"), (1e300, "duration must be at most 8760h (a year)"),
+    ("8761h", "duration must be at most 8760h (a year)"),
 ])
 def test_parse_duration_rejects(value, message):
     if message is None:  # a plain number string is seconds: guards the table above
@@ -422,7 +457,7 @@ def test_format_duration(seconds, text):
 
 
 @settings(deadline=None)  # a busy machine can take 200 ms over any example
-@given(st.floats(min_value=0, max_value=1e9, allow_nan=False, allow_infinity=False))
+@given(st.floats(min_value=0, max_value=365 * 24 * 3600, allow_nan=False, allow_infinity=False))
 def test_format_duration_parses_back_exactly(seconds):
     assert parse_duration(format_duration(seconds)) == seconds
 

@@ -348,6 +348,9 @@ def test_parse_endpoints_file():
         ("- 10.0.0.1:1\n- 10.0.0.1:1", "[1]: duplicate endpoint 10.0.0.1:1"),
         ("- [", "not valid YAML at line"),
         ("- 7", "[0]: must be host:port"),
+        # (a RecursionError before: the discovery task died silently, the set frozen)
+        ("[" * 2000 + "]" * 2000, "not valid YAML: nested too deeply"),
+        ("- {address: 10.0.0.1:1, weight: %s}" % ("9" * 400), "[0].weight: Input should be less than or equal to"),
     ]:
         with pytest.raises(ValueError) as e:
             parse_endpoints_file(text)

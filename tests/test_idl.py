@@ -48,7 +48,7 @@ def _proxy(text: str, monkeypatch, filename: str = CONFIG_NAME, **kw) -> Proxy:
 def _config_checks_idl() -> bool:
     """Does config loading check IDL references (the rule `config_problems` states)?"""
     text = config_text(["127.0.0.1:1"]).replace(
-        "      - cluster: up", "      - cluster: up\n        retry: {on_exceptions: [Unavailable]}")
+        "      - cluster: up", "      - cluster: up\n        retry: {idempotent: true, on_exceptions: [Unavailable]}")
     try:
         cfgmod.loads(text)
     except cfgmod.ConfigError:
@@ -159,18 +159,19 @@ def _route_retry(text: str, retry: str) -> str:
 def test_config_problems_names_without_idl_unknown_names_and_broken_idls(tmp_path):
     base = config_text(["127.0.0.1:1"])
     ok = _loads(_route_retry(base.replace("    protocol: binary", "    protocol: binary" + IDL_KEY),
-                             "{attempts: 2, on_exceptions: [Unavailable, 1]}"))
+                             "{attempts: 2, idempotent: true, on_exceptions: [Unavailable, 1]}"))
     assert ok.listeners[0].idl.resolve() == IDL  # relative to the config file
     assert config_problems(ok) == []
 
     loc = ("listeners", 0, "routes", 0, "retry", "on_exceptions", 0)
-    no_idl = cfgmod.Config.model_validate(yaml_load(_route_retry(base, "{on_exceptions: [Unavailable]}")))
+    no_idl = cfgmod.Config.model_validate(
+        yaml_load(_route_retry(base, "{idempotent: true, on_exceptions: [Unavailable]}")))
     assert config_problems(no_idl) == [(loc, "exception name 'Unavailable' needs the listener's idl "
                                              "(or give the result field id)")]
 
     typo = cfgmod.Config.model_validate(
         yaml_load(_route_retry(base.replace("    protocol: binary", f"    protocol: binary\n    idl: {IDL}"),
-                               "{on_exceptions: [Unavailible]}")))
+                               "{idempotent: true, on_exceptions: [Unavailible]}")))
     assert config_problems(typo) == [(loc, "no method in sidecar_test.thrift declares exception "
                                            "'Unavailible' (did you mean 'Unavailable'?)")]
 
@@ -190,7 +191,7 @@ def yaml_load(text: str):
 def test_check_config_reports_idl_problems_with_their_lines(tmp_path):
     (tmp_path / "bad.thrift").write_text("service S {\n  void f(\n}\n")
     text = _route_retry(config_text(["127.0.0.1:1"]).replace(
-        "    protocol: binary", "    protocol: binary\n    idl: bad.thrift"), "{on_exceptions: [Unavailable]}")
+        "    protocol: binary", "    protocol: binary\n    idl: bad.thrift"), "{idempotent: true, on_exceptions: [Unavailable]}")
     (tmp_path / "sidecar.yaml").write_text(text)
     r = subprocess.run([sys.executable, "-m", "proxy", "check-config", str(tmp_path / "sidecar.yaml")],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -220,7 +221,7 @@ listeners:
     listen: 127.0.0.1:0
     routes:
       - cluster: up
-        retry: {on_exceptions: [Unavailable]}
+        retry: {idempotent: true, on_exceptions: [Unavailable]}
 clusters:
   - name: up
     endpoints: [127.0.0.1:1]
@@ -238,7 +239,7 @@ clusters:
 # ---------------------------------------------------------------------------- the server refuses
 
 def test_server_refuses_exception_names_without_idl():
-    text = _route_retry(config_text(["127.0.0.1:1"]), "{attempts: 2, on_exceptions: [Unavailable]}")
+    text = _route_retry(config_text(["127.0.0.1:1"]), "{attempts: 2, idempotent: true, on_exceptions: [Unavailable]}")
     config = cfgmod.Config.model_validate(yaml_load(text))  # bypasses the config-level rule
     with pytest.raises(ValueError, match=r"listener test: routes\[0\]\.retry: .*need the listener's idl"):
         _build_server(config)
