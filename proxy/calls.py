@@ -41,7 +41,7 @@ class Call:
                  "t_start", "t_framed", "t_admitted", "t_done", "t_write", "t_handed", "t_acked", "never_read",
                  "streamed", "client_paused_ns", "upstream_wait_ns", "reply_size", "loop_lag_ns",
                  "trace", "timer", "deadline", "credited_ns", "retry_timer", "holds_request", "result_field", "waited",
-                 "_req_framing", "_req_data", "upload")
+                 "_req_framing", "_req_data", "upload", "no_retry")
 
     def __init__(self, conn, msg, t_start: int, t_framed: int, pipeline=None) -> None:
         self.conn = conn                    # the client connection (listener)
@@ -82,6 +82,7 @@ class Call:
         self.holds_request = False          # counted in the cluster's max_requests
         self.result_field = None            # the reply's first result field id (outcome peek)
         self.waited = False                 # its reply waited behind an earlier pipelined one (queued)
+        self.no_retry = ""                  # why a retry the route allows was not made (the error says)
         self._req_framing = None            # the upstream framing _req_data is for
         self._req_data = None               # the request bytes as that framing wants them
         self.upload: Upload | None = None   # a large request streaming in (msg is its head only)
@@ -118,7 +119,7 @@ class Upload:
     """
 
     __slots__ = ("client", "call", "total", "received", "done", "tail", "held", "held_size", "paused",
-                 "timeout", "held_ns", "_held_at", "splice")
+                 "timeout", "timeout_what", "held_ns", "_held_at", "splice")
 
     def __init__(self, client, total: int | None, held: list, tail=None) -> None:
         self.client = client                # the ClientConnection it arrives on
@@ -131,6 +132,7 @@ class Upload:
         self.done = False
         self.paused = False
         self.timeout = 0.0                  # the route timeout, armed once the request is whole
+        self.timeout_what = ""              # what it is, for the client's error ("route timeout 2s")
         self.held_ns = 0
         self._held_at = 0
         self.splice = None                  # moving the rest of it kernel to kernel (proxy.splice)

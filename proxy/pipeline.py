@@ -150,17 +150,21 @@ class Pipeline:
         if budget is not None:
             budget.deposit()
         timeout = route.settings.timeout if route.settings is not None else 0.0
+        what = "route timeout"
         client_ms = msg.headers.get(CLIENT_TIMEOUT_HEADER) if msg.header is not None else None
         if client_ms:
             cap = _client_timeout(client_ms)
             if cap > 0 and (timeout <= 0 or cap < timeout):
                 timeout = cap
+                what = "the client's THeader client_timeout"
         if timeout > 0 and not call.oneway:
+            what = f"{what} {_ms(timeout)}"
             if upload is not None:
                 upload.timeout = timeout  # counts from the request's last byte (_upload_received)
+                upload.timeout_what = what
             else:
                 call.deadline = self.loop.time() + timeout - (monotonic_ns() - t_framed) / 1e9
-                call.timer = self.loop.call_at(call.deadline, self._call_timeout, call, timeout)
+                call.timer = self.loop.call_at(call.deadline, self._call_timeout, call, what)
         self.start_attempt(call)
 
     # 1b: a large request streams in --------------------------------------------------
@@ -214,7 +218,7 @@ class Pipeline:
         up = call.upload
         if up.timeout > 0:
             call.deadline = self.loop.time() + up.timeout
-            call.timer = self.loop.call_at(call.deadline, self._call_timeout, call, up.timeout)
+            call.timer = self.loop.call_at(call.deadline, self._call_timeout, call, up.timeout_what)
         a = call.attempt
         settings = call.route.settings if call.route is not None else None
         per_try = settings.retry.per_try_timeout if settings is not None else 0.0
@@ -601,31 +605,38 @@ class Pipeline:
                                                     call.request_size, field)[0]
 
     def _retry(self, call: Call, attempt: Attempt, outcome: str, field: int | None) -> bool:
-        """Start a backoff before another attempt, if policy, limits and budget all allow it."""
-        if call.cancelled or call.oneway:
+        """Start a backoff before another attempt, if policy, limits and budget all allow it.
+        A oneway is retried only when not sent (nothing else about it is ever known)."""
+        if call.cancelled or (call.oneway and outcome != calls.NOT_SENT):
             return False
         policy = self._policy(call.route)
         if policy is None:
             return False
-        ok, _why = policy.decide(outcome, attempt.number, call.msg.method, call.request_size, field)
+        ok, why = policy.decide(outcome, attempt.number, call.msg.method, call.request_size, field)
         if not ok:
+            if policy.attempts > 1 and attempt.number < policy.attempts:
+                call.no_retry = f"not retried: {why}"  # (a route that retries: why not this one)
             return False
         delay = policy.backoff(attempt.number, self.rng)
         deadline = self._credit_pauses(call)
         if deadline and self.loop.time() + delay >= deadline:
-            return False  # (before the slot and the budget are taken: this retry never happens)
+            # (before the slot and the budget are taken: this retry never happens)
+            call.no_retry = f"not retried: its backoff ({_ms(delay)}) would pass the deadline"
+            return False
         cluster = call.cluster
         limits = cluster.limits
         if limits is not None and not limits.try_enter_retry():
             self.stats["retries_refused_limit"] += 1
+            call.no_retry = (f"not retried: cluster '{cluster.name}' has {limits.retries} retries in "
+                             f"flight (max_retries {limits.max_retries})")
             return False
         budget = cluster.budget
         if budget is not None and not budget.try_withdraw():
             self.stats["retries_refused_budget"] += 1
+            call.no_retry = f"not retried: the retry budget of cluster '{cluster.name}' is spent"
             if limits is not None:
                 limits.leave_retry()
             return False
-        self.stats["retries"] += 1
         call.attempt = None
         call.conn.unwait(call)  # (a reply read whole to wait its turn is dropped: its budget is free)
         call.backoffs.append((monotonic_ns(), 0))  # (its end: _retry_now, or _cancel_backoff)
@@ -640,13 +651,17 @@ class Pipeline:
     def _retry_now(self, call: Call, reason: str) -> None:
         call.retry_timer = None
         self._end_backoff(call)
-        if call.cancelled:
+        if call.cancelled or (call.deadline and self.loop.time() >= self._credit_pauses(call)):
+            # (past the deadline: the loop stalled through the backoff's end and the deadline
+            # both; no attempt starts after it, the route timeout, due too, answers the call)
             if call.cluster.limits is not None:
                 call.cluster.limits.leave_retry()
             return
         tried = len(call.attempts)
         self.start_attempt(call, retry_reason=reason)
-        if len(call.attempts) == tried and call.cluster.limits is not None:
+        if len(call.attempts) > tried:
+            self.stats["retries"] += 1  # (made: a retry whose client left in its backoff is not)
+        elif call.cluster.limits is not None:
             # No attempt was made (e.g. no endpoint): the slot is free again. An attempt that
             # was made holds it (Attempt.is_retry) until it ends, which may have been already.
             call.cluster.limits.leave_retry()
@@ -716,35 +731,36 @@ class Pipeline:
                 call.credited_ns = paused
         return call.deadline
 
-    def _call_timeout(self, call: Call, timeout: float, rechecked: bool = False) -> None:
+    def _call_timeout(self, call: Call, what: str, rechecked: bool = False) -> None:
+        """The call's deadline: `what` it is, as the client hears it ("route timeout 2000ms")."""
         call.timer = None
         if call.reply is not None or call.cancelled:
             return
         if not rechecked and self.loop.time() - call.deadline > STALL_GRACE:
             # The loop itself was stalled past the deadline (clock.STALL_GRACE): a reply that came
             # meanwhile is read first (the next poll, in STALL_RECHECK), then the timeout stands.
-            call.timer = self.loop.call_later(STALL_RECHECK, self._call_timeout, call, timeout, True)
+            call.timer = self.loop.call_later(STALL_RECHECK, self._call_timeout, call, what, True)
             return
         before = call.deadline
         if self._credit_pauses(call) > before or call.deadline - self.loop.time() > DEADLINE_SLACK:
             # the client's pauses moved it on (now, or since this timer was set)
-            call.timer = self.loop.call_at(call.deadline, self._call_timeout, call, timeout)
+            call.timer = self.loop.call_at(call.deadline, self._call_timeout, call, what)
             return
         if call.streamed:
             a = call.attempt
             if a is not None and a.upconn is not None:
                 a.upconn.abandon()
             self.stats["timeouts"] += 1
-            self._stream_failed(a, f"route timeout {_ms(timeout)}")
+            self._stream_failed(a, what)
             return
         self.stats["timeouts"] += 1
         self._cancel_backoff(call)
         a = call.attempt
         if a is not None and not a.ended:
-            error = self._stop_attempt(a, f"route timeout {_ms(timeout)}")
+            error = self._stop_attempt(a, what)
             self._drop_attempt(a, error.message, calls.TIMEOUT if error.written else calls.NOT_SENT)
         else:
-            error = UpstreamError(f"route timeout {_ms(timeout)} passed", written=call.written, timeout=True)
+            error = UpstreamError(f"{what} passed", written=call.written, timeout=True)
         self._give_up(call, error, calls.TIMEOUT if call.written else calls.NOT_SENT)
 
     def _drop_attempt(self, attempt: Attempt, error: str, outcome: str, blame: bool = True) -> None:
@@ -791,7 +807,16 @@ class Pipeline:
         if outcome is None or (outcome == calls.NOT_SENT and kind == "may have run"):
             outcome = calls.MAY_HAVE_RUN if kind == "may have run" else calls.NOT_SENT
         call.outcome = outcome
-        self.fail(call, AppErrorType.INTERNAL_ERROR, f"{kind}: {error.message}")
+        text = f"{kind}: {error.message}"
+        if call.written and not error.written:  # the last attempt was not sent: say which one ran
+            ran = next((a for a in reversed(call.attempts) if a.t_written and a.outcome != calls.NOT_SENT
+                        and a.error), None)
+            if ran is not None:
+                text += f"; attempt {ran.number} may have run: {ran.error}"
+        tries = len(call.attempts)
+        if call.no_retry or tries > 1:
+            text += f" ({tries} attempt{'' if tries == 1 else 's'}{'; ' if call.no_retry else ''}{call.no_retry})"
+        self.fail(call, AppErrorType.INTERNAL_ERROR, text)
 
     def fail(self, call: Call, app_type: AppErrorType, text: str) -> None:
         """Answer with the proxy's own TApplicationException (never for oneway)."""

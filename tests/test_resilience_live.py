@@ -17,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from thrift.Thrift import TApplicationException
 
-from harness import Proxy, RawUpstream, ThriftServer, client, wait_for
+from harness import Proxy, RawUpstream, ThriftServer, app_exception, client, read_messages, request_bytes, wait_for
+from proxy.codec import MessageType
 
 
 def cfg(upstreams, route_extra="", cluster_extra="", lb="round_robin", listener_extra="") -> str:
@@ -171,6 +172,124 @@ def test_total_outage_attempts_bounded_by_retry_budget():
                        for ep in cluster.endpoints for pool in ep.pools.values())
     assert attempts <= calls + 0.2 * calls + 10 * 10, attempts
     assert attempts > calls  # some retries did happen
+
+
+def test_a_oneway_its_dead_endpoint_refused_is_sent_to_another():
+    """"Not sent" is always retryable, oneways included: nothing was written, so nothing can
+    run twice. Before: a oneway refused by the dead endpoint was logged, counted and lost."""
+    dead, good = ThriftServer(), ThriftServer()
+    dead.stop()
+    text = cfg([dead, good], route_extra="\n        retry: {attempts: 2, backoff: {base: 1ms, max: 2ms}}",
+               cluster_extra="\n    circuit_breaker: {consecutive_failures: 0, failure_rate: 0.0}")
+    try:
+        with Proxy(text) as p:
+            with client(p.port()) as c:
+                for i in range(10):
+                    c.log_event(f"e{i}")
+                assert c.incr("after") == 1  # (oneways ahead of it are written by now)
+            wait_for(lambda: len(good.handler.events) == 10, timeout=5, what="10 events at the live endpoint")
+            stats = p.server.listeners["test"].pipeline.stats
+            assert stats["oneway_failures"] == 0 and stats["retries"] >= 5, stats
+        assert sorted(good.handler.events) == sorted(f"e{i}" for i in range(10))  # each once
+    finally:
+        good.stop()
+
+
+@pytest.mark.parametrize("case, cluster_extra, says", [
+    ("budget", "\n    retry_budget: {ratio: 0.0, min_per_second: 0}",
+     "(1 attempt; not retried: the retry budget of cluster 'up' is spent)"),
+    ("max_retries", "\n    limits: {max_retries: 0}",
+     "(1 attempt; not retried: cluster 'up' has 0 retries in flight (max_retries 0))"),
+    ("exhausted", "", "(3 attempts)"),
+])
+def test_the_client_hears_why_its_call_was_not_retried(case, cluster_extra, says):
+    """Before, attempts run out, an empty retry budget and max_retries all read alike:
+    "not sent: connect to ... failed: Connection refused"."""
+    dead = ThriftServer()
+    dead.stop()
+    text = cfg([dead], route_extra="\n        retry: {attempts: 3, backoff: {base: 1ms, max: 2ms}}",
+               cluster_extra=cluster_extra + "\n    circuit_breaker: {consecutive_failures: 0, failure_rate: 0.0}")
+    with Proxy(text) as p:
+        with client(p.port()) as c:
+            with pytest.raises(TApplicationException) as info:
+                c.incr("x")
+    msg = info.value.message
+    assert msg.startswith("thrift-sidecar: not sent: connect to ") and msg.endswith(says), msg
+
+
+def test_a_call_an_earlier_attempt_may_have_run_says_which_attempt_did():
+    """Attempt 1's connection is lost after the write, attempt 2's connect is refused: the
+    client hears "may have run", and why, not only the refusal (which read as a contradiction)."""
+    dropper = ThriftServer(name="dropper")
+    dropper.handler.drop_after = {"lookup"}
+    dead = ThriftServer()
+    dead.stop()
+    text = cfg([dropper, dead], route_extra="\n        retry: {attempts: 2, idempotent: true, backoff: {base: 1ms, max: 2ms}}",
+               cluster_extra="\n    circuit_breaker: {consecutive_failures: 0, failure_rate: 0.0}")
+    try:
+        with Proxy(text) as p:
+            with client(p.port()) as c:
+                with pytest.raises(TApplicationException) as info:
+                    c.lookup("k")  # round robin: the dropper first
+    finally:
+        dropper.stop()
+    msg = info.value.message
+    assert msg.startswith("thrift-sidecar: may have run: connect to ") and "Connection refused" in msg, msg
+    assert msg.endswith(f"; attempt 1 may have run: connection to {dropper.address} lost after the request "
+                        "was written (2 attempts)"), msg
+
+
+class DropsFirstOfEach(RawUpstream):
+    """Closes the connection on each seqid's first request (read, so it may have run), then stalls
+    the proxy's loop 200 ms (`stall`, set by the test): a retry's backoff spans the deadline.
+    Any later request is answered. `seen`: (seqid, monotonic time) of every request."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[int, float]] = []
+        self.stall = None
+
+    def _one(self, c: socket.socket) -> None:
+        from harness import reply_bytes
+
+        for name, seqid in self.requests(c):
+            first = all(s != seqid for s, _ in self.seen)
+            self.seen.append((seqid, time.monotonic()))
+            if first:
+                c.close()
+                time.sleep(0.01)  # the proxy has started the retry's backoff (up to 80 ms)
+                self.stall()
+                return
+            c.sendall(reply_bytes(name, seqid))
+
+
+def test_no_retry_starts_after_the_deadline_when_the_loop_stalls_through_it():
+    """Route timeout 100 ms; attempt 1 lost after its write; a 200 ms loop stall during the
+    backoff. Before: the backoff's timer, due first, wrote the retry ~200 ms in, past the
+    deadline, and the client got its reply (5 of 6 tries)."""
+    up = DropsFirstOfEach()
+    text = cfg([up], route_extra="\n        timeout: 100ms"
+                                 "\n        retry: {attempts: 3, idempotent: true, backoff: {base: 80ms, max: 80ms}}",
+               cluster_extra="\n    circuit_breaker: {consecutive_failures: 0, failure_rate: 0.0}")
+    spanned = 0
+    try:
+        with Proxy(text) as p:
+            up.stall = lambda: p.loop.call_soon_threadsafe(time.sleep, 0.2)
+            for seqid in range(1, 5):
+                with socket.create_connection(("127.0.0.1", p.port())) as s:
+                    t0 = time.monotonic()
+                    s.sendall(request_bytes("framed", "binary", "lookup", "k", seqid=seqid))
+                    (r,) = read_messages(s, 1)
+                writes = [t - t0 for q, t in up.seen if q == seqid]
+                assert r.seqid == seqid
+                if r.type == MessageType.EXCEPTION:  # (else the backoff ended before the stall)
+                    spanned += 1
+                    assert app_exception(r).message == "thrift-sidecar: may have run: route timeout 100ms passed"
+                assert all(w < 0.1 for w in writes), (seqid, writes)  # nothing written past the deadline
+                time.sleep(0.25)
+    finally:
+        up.close()
+    assert spanned >= 1  # (each try: 1 in 8 that its backoff ended within the first 10 ms)
 
 
 def test_max_pending_excess_fails_fast_with_not_sent():

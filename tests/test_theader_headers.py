@@ -123,3 +123,22 @@ def test_client_timeout_is_ascii_milliseconds_clamped(value, seconds):
     from proxy.pipeline import _client_timeout
 
     assert _client_timeout(value) == seconds
+
+
+def test_a_call_cut_by_the_clients_own_client_timeout_says_so(upstream):
+    """Route timeout 2 s, the client's THeader client_timeout 200 ms: the client hears that its
+    own client_timeout ended the call (before: "route timeout 200ms", a timeout no config has)."""
+    from harness import app_exception
+
+    buf = TTransport.TMemoryBuffer()
+    prot = THeaderProtocol.THeaderProtocol(buf, HEADER_TYPES)
+    prot.set_header(b"client_timeout", b"200")
+    c = TestService.Client(prot)
+    c._seqid = 9
+    c.send_sleep(1000)
+    with Traced(_config(upstream, "\n        timeout: 2s")) as t:
+        m = _call(t.port(), buf.getvalue())
+    assert m.seqid == 9
+    message = app_exception(m).message
+    assert message.startswith("thrift-sidecar: may have run: the client's THeader client_timeout 200ms: "
+                              "no reply from "), message
