@@ -570,14 +570,20 @@ class ClientConnection(asyncio.Protocol):
     # -- a streaming reply ---------------------------------------------------------------
 
     def can_stream(self, call: Call) -> bool:
-        """Only the first reply in line may stream (replies go back in request order)."""
-        return (self.stream_call is None and not self.closing and self.transport is not None
+        """Only the first reply in line may stream (replies go back in request order). A
+        connection that closes once its replies are out (`closing`: the client half-closed, or
+        sent a bad request behind this one) still streams them: read whole, a large reply to a
+        client that half-closes after its request would be held in memory, up to
+        max_reply_size each. Not once its transport is closing (shut down, gone)."""
+        t = self.transport
+        return (self.stream_call is None and t is not None and not t.is_closing()
                 and bool(self.queue) and self.queue[0] is call)
 
     def stream_later(self, call: Call) -> bool:
         """`call`'s reply may stream once it is first in line (its upstream connection holds it
-        unread until `_give_turn`): this connection is not closing and the call is in line."""
-        return not self.closing and self.transport is not None and call in self.queue
+        unread until `_give_turn`): this connection's transport is open and the call in line."""
+        t = self.transport
+        return t is not None and not t.is_closing() and call in self.queue
 
     def wait_whole(self, call: Call, size: int | None) -> bool:
         """May `call`'s large reply (`size` bytes; None: unframed, not known) behind earlier
@@ -654,7 +660,7 @@ class ClientConnection(asyncio.Protocol):
         """This connection, when the rest of `call`'s streaming reply may go straight into its
         socket (proxy.splice): the reply is streaming to it and its transport holds nothing."""
         t = self.transport
-        if (call is self.stream_call and t is not None and not self.closing and not self.paused_writing
+        if (call is self.stream_call and t is not None and not t.is_closing() and not self.paused_writing
                 and self.fd >= 0 and t.get_write_buffer_size() == 0):
             return self
         return None

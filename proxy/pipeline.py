@@ -474,7 +474,7 @@ class Pipeline:
             return False
         now = call.conn.can_stream(call)
         if not now and not call.conn.stream_later(call):
-            return False  # (its client connection is closing: replies go out whole)
+            return False  # (its client connection is shut down or gone: read whole, dropped)
         if head.type == MessageType.EXCEPTION:
             outcome = calls.APP_EXCEPTION
         elif head.result_field:

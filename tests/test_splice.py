@@ -127,6 +127,25 @@ def test_a_large_reply_is_spliced_byte_exact_and_its_connection_reused():
         up.close()
 
 
+def test_a_client_that_half_closes_after_its_request_still_gets_a_spliced_reply():
+    """shutdown(SHUT_WR) right after the request: the client still reads, so the reply still
+    streams, spliced. Before: read whole into the proxy's memory (up to max_reply_size per client)."""
+    up = ShaUpstream(20_000_000)
+    try:
+        with Proxy(_config(up.address)) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.settimeout(10)
+                s.sendall(request_bytes("framed", "binary", "echo", b"", seqid=5))
+                s.shutdown(socket.SHUT_WR)
+                reply = _read_reply(s, pause=0.002)
+                assert _payload_sha(reply, 20_000_000) == up.sha
+                assert s.recv(1) == b""  # then the proxy closes
+            stats = _stats(p)
+        assert stats["spliced_replies"] == 1, stats
+    finally:
+        up.close()
+
+
 def test_a_generated_client_gets_spliced_replies():
     """Apache Thrift's own client and server, 1.5 and 6 MB echoes, and a small one between."""
     up = ThriftServer()
