@@ -128,6 +128,17 @@ def _protocol(name: str | None) -> Protocol | None:
     return Protocol(name)
 
 
+def _tls_name(c: cfgmod.Cluster) -> str | None:
+    """The name a cluster's upstream certificates must carry (and SNI): `tls.server_name`, else,
+    for DNS discovery, the name looked up (its endpoints are its addresses, and a certificate
+    names the service, not each IP), else None: each endpoint's own host."""
+    if c.tls is None:
+        return None
+    if c.tls.server_name is None and c.endpoints.dns is not None:
+        return c.endpoints.dns.name.host
+    return c.tls.server_name
+
+
 def build_cluster(c: cfgmod.Cluster, loop: asyncio.AbstractEventLoop, rng: random.Random,
                   resolver: Resolver | None = None) -> Cluster:
     """A cluster and its endpoint source; TLS files are read here, so each config load re-reads them."""
@@ -138,7 +149,7 @@ def build_cluster(c: cfgmod.Cluster, loop: asyncio.AbstractEventLoop, rng: rando
     cluster = Cluster(c.name, loop, endpoints, make_balancer(c.load_balancer, rng=rng), pool,
                       framing=_framing(c.transport), protocol=_protocol(c.protocol),
                       ssl=client_context(c.tls, c.name) if c.tls is not None else None,
-                      server_name=c.tls.server_name if c.tls is not None else None,
+                      server_name=_tls_name(c),
                       max_open_percent=c.circuit_breaker.max_open_percent)
     cluster.discovery = make_source(cluster, c.endpoints, resolver)
     return cluster

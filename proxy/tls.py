@@ -5,7 +5,8 @@
 - `ca` is the only CA the upstream's certificate may chain to (without it: the
   system's trust store); verification and the hostname check are always on.
 - `server_name` is sent as SNI and is the name the certificate must carry; without
-  it the endpoint's host (a name or an IP address) is used.
+  it the name DNS discovery looks up, or else the endpoint's host (a name or an IP
+  address) is used.
 - `cert` + `key` present a client certificate (mutual TLS).
 
 Certificate files are read here, once per context. The composition root builds

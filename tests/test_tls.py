@@ -423,3 +423,31 @@ def test_a_reload_reads_an_unchanged_clusters_tls_files_again(pki, tmp_path, cap
             assert c.lookup("y") == "tls-up:y"
     finally:
         up.stop()
+
+
+def test_dns_discovered_endpoints_are_checked_against_the_dns_name(pki, tmp_path):
+    """endpoints: {dns: {name: users.internal:PORT}}, no server_name, a certificate naming only
+    users.internal: the name looked up is the one checked (and sent as SNI). Before: each
+    resolved IP was, so every connect failed ("IP address mismatch") and the breaker opened."""
+    ext = EXT_SERVER.replace("subjectAltName=DNS:users.internal,IP:127.0.0.1", "subjectAltName=DNS:users.internal")
+    make_leaf(pki, "name-only", "ca", ext)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(pki / "name-only.pem", pki / "name-only.key")
+    names: list[str | None] = []
+    ctx.sni_callback = lambda sock, name, _ctx: names.append(name)
+    up = TlsThriftServer(ctx, name="tls-up")
+
+    async def resolver(host: str) -> list[str]:
+        assert host == "users.internal"
+        return ["127.0.0.1"]
+
+    text = config_text(["127.0.0.1:1"], extra_cluster=tls_yaml(ca=pki / "ca.pem")).replace(
+        "endpoints: [127.0.0.1:1]", f"endpoints: {{dns: {{name: 'users.internal:{up.port}'}}}}")
+    try:
+        with Proxy(text, resolver=resolver) as p:
+            wait_for(lambda: len(p.server.clusters["up"].endpoints) == 1, what="the DNS answer")
+            with client(p.port()) as c:
+                assert [c.lookup(f"k{i}") for i in range(3)] == [f"tls-up:k{i}" for i in range(3)]
+        assert not up.handshake_errors and names and set(names) == {"users.internal"}, (up.handshake_errors, names)
+    finally:
+        up.stop()
