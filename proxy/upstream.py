@@ -556,8 +556,11 @@ class UpstreamConnection(asyncio.Protocol):
     def closed_by_peer(self) -> bool:
         """Before this pooled connection takes a call: did the upstream close it already? (Its
         FIN or reset may wait unread behind the reply just read: the transport has not said so
-        yet.) Such a connection is discarded here, and a new one is to be had instead."""
-        if self.transport.is_closing() or peer_closed(self.fd):
+        yet.) Such a connection is discarded here, and a new one is to be had instead.
+        Over TLS a close is a close_notify record before the FIN, so any byte waiting unread on
+        an idle connection may be one: it is discarded too (rarely, a late session ticket)."""
+        if (self.transport.is_closing() or peer_closed(self.fd)
+                or (self.pool.ssl is not None and unread_bytes(self.fd) > 0)):
             self._discard()
             return True
         return False

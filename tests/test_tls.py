@@ -451,3 +451,54 @@ def test_dns_discovered_endpoints_are_checked_against_the_dns_name(pki, tmp_path
         assert not up.handshake_errors and names and set(names) == {"users.internal"}, (up.handshake_errors, names)
     finally:
         up.stop()
+
+
+class OneCallTls(RawUpstream):
+    """Answers one call per TLS connection, then (when `close` is set) closes it as a TLS server
+    does: a close_notify record, then the FIN."""
+
+    def __init__(self, ctx: ssl.SSLContext) -> None:
+        self.ctx = ctx
+        self.close_now = threading.Event()
+        super().__init__()
+
+    def _one(self, c: socket.socket) -> None:
+        from harness import reply_bytes
+
+        s = self.ctx.wrap_socket(c, server_side=True)
+        for name, seqid in self.requests(s):
+            s.sendall(reply_bytes(name, seqid, b"served"))
+            self.close_now.wait(10)
+            self.close_now.clear()
+            s.settimeout(0.3)
+            with contextlib.suppress(OSError, ValueError):
+                s.unwrap()  # close_notify
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(s, socket.SHUT_RDWR)
+            s.close()
+            return
+
+
+def test_an_idle_tls_connection_closing_is_not_lent_to_a_call(pki):
+    """The upstream closes an idle TLS connection while the proxy's loop is busy: its
+    close_notify waits unread, and the next call must not go out on it. Before: the peek saw
+    bytes, not the FIN, lent it, and the non-idempotent incr was answered "may have run"."""
+    up = OneCallTls(server_ctx(pki, require_client_cert=False))
+    text = config_text([up.address], extra_cluster=tls_yaml(ca=pki / "ca.pem"))
+    try:
+        with Proxy(text) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(request_bytes("framed", "binary", "incr", "k", seqid=1))
+                (m,) = read_messages(s, 1)
+                assert m.type == 2
+                time.sleep(0.1)  # idle in the pool
+                p.loop.call_soon_threadsafe(time.sleep, 1.0)  # the loop busy (a GC pause, a slow callback)
+                time.sleep(0.1)
+                s.sendall(request_bytes("framed", "binary", "incr", "k", seqid=2))
+                time.sleep(0.1)
+                up.close_now.set()  # the close arrives while the call waits for the loop
+                (m,) = read_messages(s, 1, timeout=5)
+        assert m.seqid == 2 and m.type == 2, app_exception(m).message if m.type == 3 else m
+        assert up.connections == 2  # served on a new connection
+    finally:
+        up.close()
