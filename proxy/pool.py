@@ -50,11 +50,12 @@ def describe_connect_error(e: BaseException, tls: bool) -> str:
     """Why a connect (and TLS handshake) failed, never empty: an upstream that closes during the
     TLS handshake raises ConnectionResetError('') (no errno, no text)."""
     reason = (e.strerror if isinstance(e, OSError) else None) or str(e)
-    if reason:
-        return reason
-    if tls and isinstance(e, (ConnectionError, EOFError)):
-        return f"{type(e).__name__}: connection closed during the TLS handshake"
-    return type(e).__name__
+    if tls and isinstance(e, (ConnectionResetError, ConnectionAbortedError, EOFError)):
+        # (TCP was up: a refused or unreachable connect is a different error) - the usual cause
+        # is an endpoint that does not speak TLS
+        return (f"{reason or type(e).__name__} during the TLS handshake (closed by the endpoint; "
+                "does it speak TLS?)")
+    return reason or type(e).__name__
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,7 +291,9 @@ class Pool:
             raise
         except Exception as e:  # OSError (TimeoutError too), SSLError, UnicodeError (a host IDNA refuses)
             timeout = isinstance(e, TimeoutError) and e.errno is None  # our deadline (else the kernel's)
-            self._connect_failed(made, f"timed out after {s.connect_timeout * 1000:.0f}ms" if timeout
+            self._connect_failed(made, (f"timed out after {s.connect_timeout * 1000:.0f}ms"
+                                        + (" (TCP connect and TLS handshake)" if self.ssl is not None else ""))
+                                 if timeout
                                  else f"failed: {describe_connect_error(e, self.ssl is not None)}", timeout)
             return
         if conn.closed:

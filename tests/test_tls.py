@@ -372,7 +372,7 @@ class HelloThenClose(RawUpstream):
 
 def test_upstream_closing_during_the_handshake_is_named_not_blank(pki, caplog):
     up = HelloThenClose()
-    hint = "ConnectionResetError: connection closed during the TLS handshake"
+    hint = "ConnectionResetError during the TLS handshake (closed by the endpoint; does it speak TLS?)"
     try:
         with caplog.at_level(logging.WARNING, logger="proxy.pool"):
             yaml = tls_yaml(ca=pki / "ca.pem", server_name="users.internal")
@@ -502,3 +502,18 @@ def test_an_idle_tls_connection_closing_is_not_lent_to_a_call(pki):
         assert up.connections == 2  # served on a new connection
     finally:
         up.close()
+
+
+def test_tls_to_a_plaintext_endpoint_says_tls(pki):
+    """A common mistake, `tls` on a cluster whose server speaks plaintext: the client's error
+    names the TLS handshake, not a bare "Connection reset by peer" that reads as the network."""
+    up = ThriftServer()
+    try:
+        with Proxy(config_text([up.address], extra_cluster=tls_yaml(ca=pki / "ca.pem"))) as p, client(p.port()) as c:
+            with pytest.raises(TApplicationException) as e:
+                c.lookup("x")
+    finally:
+        up.stop()
+    msg = e.value.message
+    assert msg.startswith(f"thrift-sidecar: not sent: connect to {up.address} failed: "), msg
+    assert "TLS handshake" in msg or "SSL" in msg, msg
