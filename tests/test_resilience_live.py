@@ -37,6 +37,9 @@ clusters:
 """
 
 
+NO_BREAKER = "\n    circuit_breaker: {consecutive_failures: 0, failure_rate: 0.0}"
+
+
 def load(port: int, conns: int, calls: int, fn, during=None) -> list:
     """`calls` calls spread over `conns` client connections; returns (ok, error, seconds) per call."""
     results = []
@@ -109,7 +112,7 @@ def test_stalled_upstream_times_out_at_route_timeout_others_keep_serving():
     ups = [ThriftServer(name=f"u{i}") for i in range(3)]
     ups[0].handler.sleep_ms = 3000
     text = cfg(ups, route_extra="\n        timeout: 300ms",
-               cluster_extra="\n    circuit_breaker: {consecutive_failures: 0, failure_rate: 0.0}")
+               cluster_extra=NO_BREAKER)
     try:
         with Proxy(text) as p:
             results = load(p.port(), 8, 240, lambda c, i: c.lookup(f"s{i}"))
@@ -135,7 +138,7 @@ def test_connection_dropped_after_request_non_idempotent_runs_once_idempotent_re
     dropper.handler.drop_after = {"incr", "lookup"}
     text = cfg([dropper, good],
                route_extra="\n        retry: {attempts: 3, idempotent: [lookup], backoff: {base: 1ms, max: 5ms}}",
-               cluster_extra="\n    circuit_breaker: {consecutive_failures: 0, failure_rate: 0.0}")
+               cluster_extra=NO_BREAKER)
     try:
         with Proxy(text) as p:
             results = load(p.port(), 8, 400, lambda c, i: c.incr(f"n{i}"))
@@ -180,7 +183,7 @@ def test_a_oneway_its_dead_endpoint_refused_is_sent_to_another():
     dead, good = ThriftServer(), ThriftServer()
     dead.stop()
     text = cfg([dead, good], route_extra="\n        retry: {attempts: 2, backoff: {base: 1ms, max: 2ms}}",
-               cluster_extra="\n    circuit_breaker: {consecutive_failures: 0, failure_rate: 0.0}")
+               cluster_extra=NO_BREAKER)
     try:
         with Proxy(text) as p:
             with client(p.port()) as c:
@@ -208,7 +211,7 @@ def test_the_client_hears_why_its_call_was_not_retried(case, cluster_extra, says
     dead = ThriftServer()
     dead.stop()
     text = cfg([dead], route_extra="\n        retry: {attempts: 3, backoff: {base: 1ms, max: 2ms}}",
-               cluster_extra=cluster_extra + "\n    circuit_breaker: {consecutive_failures: 0, failure_rate: 0.0}")
+               cluster_extra=cluster_extra + NO_BREAKER)
     with Proxy(text) as p:
         with client(p.port()) as c:
             with pytest.raises(TApplicationException) as info:
@@ -225,7 +228,7 @@ def test_a_call_an_earlier_attempt_may_have_run_says_which_attempt_did():
     dead = ThriftServer()
     dead.stop()
     text = cfg([dropper, dead], route_extra="\n        retry: {attempts: 2, idempotent: true, backoff: {base: 1ms, max: 2ms}}",
-               cluster_extra="\n    circuit_breaker: {consecutive_failures: 0, failure_rate: 0.0}")
+               cluster_extra=NO_BREAKER)
     try:
         with Proxy(text) as p:
             with client(p.port()) as c:
@@ -270,7 +273,7 @@ def test_no_retry_starts_after_the_deadline_when_the_loop_stalls_through_it():
     up = DropsFirstOfEach()
     text = cfg([up], route_extra="\n        timeout: 100ms"
                                  "\n        retry: {attempts: 3, idempotent: true, backoff: {base: 80ms, max: 80ms}}",
-               cluster_extra="\n    circuit_breaker: {consecutive_failures: 0, failure_rate: 0.0}")
+               cluster_extra=NO_BREAKER)
     spanned = 0
     try:
         with Proxy(text) as p:
