@@ -930,7 +930,7 @@ def _read_again(path: str | Path) -> str:
     """The text of the config file at `path`, read again while serving (reload, an error's
     line): it must be a regular file, and it is opened with O_NONBLOCK, so that a FIFO put in
     its place is refused (ValueError) instead of holding the loop's thread in `open()` until
-    some writer comes. At start-up any readable file does (`run -c <(...)`: `load`)."""
+    some writer comes. At start-up a pipe does too (`run -c <(...)`: `_read_first`)."""
     raw, kind = read_regular(path, MAX_CONFIG_FILE + 1)
     if kind is not None:
         raise ValueError(f"must be a regular file to be read again; it is {kind} now")
