@@ -699,16 +699,24 @@ class Pipeline:
 
     def _stream_failed(self, attempt: Attempt, why: str, blame: bool = True) -> None:
         """Reply bytes already went to the client: all we can do is close its connection.
-        (`blame` False: the client went away, which says nothing about the endpoint.)"""
+        `blame` False: the client's connection went (it left, or the proxy cut it as a write
+        stall), which says nothing about the endpoint: the call ran and its reply, as the
+        upstream's head said (`call.outcome`), is recorded not delivered, as a reply read whole
+        and then not taken is (metrics.NOT_DELIVERED)."""
         call = attempt.call
         self._off_connection(attempt)
         attempt.error = why
         self._end_attempt(attempt, calls.MAY_HAVE_RUN, blame=blame)
-        call.outcome = calls.MAY_HAVE_RUN
-        call.error = f"may have run: {why} (while streaming the reply; client connection closed)"
-        call.error_type = calls.MAY_HAVE_RUN
         self.stats["errors"] += 1
-        log.warning("call %s: %s", call.msg.name, call.error)
+        if blame:
+            call.outcome = calls.MAY_HAVE_RUN
+            call.error = f"may have run: {why} (while streaming the reply; client connection closed)"
+            call.error_type = calls.MAY_HAVE_RUN
+            log.warning("call %s: %s", call.msg.name, call.error)
+        else:
+            call.error = f"not delivered: {why} (while its reply streamed)"
+            call.error_type = "not_delivered"  # (metrics.NOT_DELIVERED, as the listener sets it)
+            log.info("call %s: %s", call.msg.name, call.error)
         self._release_call(call)
         call.conn.stream_abort(call)
 

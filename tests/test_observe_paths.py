@@ -121,6 +121,30 @@ def test_a_stream_cut_by_a_write_stall_keeps_the_clients_pause_and_says_why():
     assert call.attrs[spans.STREAMED] is True
     assert call.attrs[spans.CLIENT_PAUSED_MS] >= 700, call.attrs[spans.CLIENT_PAUSED_MS]
     assert "write stall" in call.server.status.description, call.server.status.description
+    # the call ran and its upstream answered: the reply is not delivered, not "may have run"
+    assert call.attrs[spans.ERROR_TYPE] == "not_delivered" and call.attrs[spans.OUTCOME] == "success", call.attrs
+
+
+def test_a_client_reset_while_its_reply_streams_is_not_delivered_not_may_have_run():
+    """The client reads part of a ~10 MB streamed reply, then resets: the call ran (the upstream
+    answered success), so it is a reply not delivered, as when a reply read whole is not taken.
+    Before: outcome may_have_run, which says nothing true about this call."""
+    up = ThriftServer()
+    try:
+        with Traced(_cfg(up.address), ratio=1.0) as t:
+            s = small_window_client(t.port(), 64 * 1024)
+            s.sendall(request_bytes("framed", "binary", "get_users", 58000, 0, seqid=3))
+            assert len(s.recv(65536)) > 0
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()  # RST mid-reply
+            (call,) = t.wait_calls(1, timeout=10.0)
+            stats = t.proxy.server.listeners["test"].pipeline.stats
+    finally:
+        up.stop()
+    assert call.attrs[spans.STREAMED] is True
+    assert call.attrs[spans.ERROR_TYPE] == "not_delivered" and call.attrs[spans.OUTCOME] == "success", call.attrs
+    assert call.server.status.description.startswith("not delivered: the client closed its connection")
+    assert stats["client_gone"] == 0
 
 
 def test_requests_held_back_at_max_inflight_count_their_wait():
