@@ -470,8 +470,9 @@ class ClientConnection(asyncio.Protocol):
             up.abandon()
             a = call.attempt
             if a is not None and not a.ended:
-                call.pipeline._stream_failed(a, self._closed_why or "the client closed its connection",
-                                             blame=False)
+                why = self._closed_why or (f"the client's connection broke before it took the reply ({exc})"
+                                           if exc is not None else "the client closed its connection")
+                call.pipeline._stream_failed(a, why, blame=False)
         if self._ack_poll is not None:
             self._ack_poll.cancel()
             self._ack_poll = None
