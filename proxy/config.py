@@ -921,6 +921,11 @@ def _read_first(path: str | Path) -> str:
         if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
             raise ValueError(f"must be a regular file or a pipe; it is {special_file(mode)}")
         raw = f.read(MAX_CONFIG_FILE + 1)
+    return _config_text(raw)
+
+
+def _config_text(raw: bytes) -> str:
+    """Config bytes read with a limit of MAX_CONFIG_FILE + 1, as text (ValueError: too large)."""
     if len(raw) > MAX_CONFIG_FILE:
         raise ValueError(f"larger than {MAX_CONFIG_FILE // (1024 * 1024)} MiB")
     return raw.decode("utf-8")
@@ -934,9 +939,7 @@ def _read_again(path: str | Path) -> str:
     raw, kind = read_regular(path, MAX_CONFIG_FILE + 1)
     if kind is not None:
         raise ValueError(f"must be a regular file to be read again; it is {kind} now")
-    if len(raw) > MAX_CONFIG_FILE:
-        raise ValueError(f"larger than {MAX_CONFIG_FILE // (1024 * 1024)} MiB")
-    return raw.decode("utf-8")
+    return _config_text(raw)
 
 
 def _read_yaml(text: str) -> tuple[Any, dict[Loc, int], list[tuple[Loc, str]]]:

@@ -890,14 +890,7 @@ class ClientConnection(asyncio.Protocol):
             # metrics and spans as in the client's answer: method and seqid, not `_INVALID`.
             msg = (Message(head.name, head.type, head.seqid, head.framing, head.protocol, b"", 0, None, b"", 0)
                    if head.name else None)
-            pipeline = self.state.pipeline
-            pipeline.stats["calls"] += 1   # (as calls_total counts it: outcome bad_request)
-            pipeline.stats["errors"] += 1
-            err = Call(self, msg, self.t_first, monotonic_ns(), pipeline)
-            err.outcome = BAD_REQUEST
-            err.error = e.message
-            err.reply = exception_reply(head, e.app_type, PREFIX + e.message)
-            self.queue.append(err)
+            self._queue_answer(msg, head, self.t_first, BAD_REQUEST, e.app_type, e.message)
         if e.close:
             self.closing = True
             self._disarm_read()
@@ -942,19 +935,32 @@ class ClientConnection(asyncio.Protocol):
                 return
             if msg.type != M_CALL and msg.type != M_ONEWAY:
                 continue  # (a reply-typed message from a client gets nothing: as when read)
-            pipeline.stats["calls"] += 1
-            call = Call(self, msg, self._held_since or self.t_first, now, pipeline)
-            call.oneway = msg.type == M_ONEWAY or self._oneway_name(msg.name)
-            call.outcome = NOT_SENT
-            if call.oneway:
+            t_start = self._held_since or self.t_first
+            if msg.type == M_ONEWAY or self._oneway_name(msg.name):
+                pipeline.stats["calls"] += 1
+                call = Call(self, msg, t_start, now, pipeline)
+                call.oneway = True
+                call.outcome = NOT_SENT
                 pipeline.fail(call, AppErrorType.INTERNAL_ERROR, text)
                 continue
-            pipeline.stats["errors"] += 1
-            call.error = text
+            call = self._queue_answer(msg, msg.head, t_start, NOT_SENT, AppErrorType.INTERNAL_ERROR, text)
             call.error_type = NOT_SENT
-            call.t_done = now
-            call.reply = exception_reply(msg.head, AppErrorType.INTERNAL_ERROR, PREFIX + text)
-            self.queue.append(call)  # (not written yet: call_done would half-close after the first)
+            call.t_done = call.t_framed
+
+    def _queue_answer(self, msg: Message | None, head: Head, t_start: int, outcome: str,
+                      app_type: AppErrorType, text: str) -> Call:
+        """A call this connection answers itself (a bad request; a request refused as the proxy
+        stops), counted as the pipeline counts its calls (as calls_total counts it) and queued
+        in its turn, not yet written (`call_done` writes it, and may half-close after it)."""
+        pipeline = self.state.pipeline
+        pipeline.stats["calls"] += 1
+        pipeline.stats["errors"] += 1
+        call = Call(self, msg, t_start, monotonic_ns(), pipeline)
+        call.outcome = outcome
+        call.error = text
+        call.reply = exception_reply(head, app_type, PREFIX + text)
+        self.queue.append(call)
+        return call
 
     def _close_after_replies(self) -> None:
         """Lingering close: send FIN after the replies, keep reading, then close."""

@@ -823,7 +823,8 @@ class Pipeline:
                 text += f"; attempt {ran.number} may have run: {ran.error}"
         tries = len(call.attempts)
         if call.no_retry or tries > 1:
-            text += f" ({tries} attempt{'' if tries == 1 else 's'}{'; ' if call.no_retry else ''}{call.no_retry})"
+            said = f"{tries} attempt{'' if tries == 1 else 's'}"
+            text += f" ({said}; {call.no_retry})" if call.no_retry else f" ({said})"
         self.fail(call, AppErrorType.INTERNAL_ERROR, text)
 
     def fail(self, call: Call, app_type: AppErrorType, text: str) -> None:
