@@ -40,7 +40,7 @@ class Call:
                  "outcome", "attempt", "attempts", "written", "cancelled", "backoffs",
                  "t_start", "t_framed", "t_admitted", "t_done", "t_write", "t_handed", "t_acked", "never_read",
                  "streamed", "client_paused_ns", "upstream_wait_ns", "reply_size", "loop_lag_ns",
-                 "trace", "timer", "deadline", "credited_ns", "retry_timer", "holds_request", "result_field", "waited",
+                 "trace", "timer", "deadline", "deadline_what", "credited_ns", "retry_timer", "holds_request", "result_field", "waited",
                  "_req_framing", "_req_data", "upload", "no_retry")
 
     def __init__(self, conn, msg, t_start: int, t_framed: int, pipeline=None) -> None:
@@ -77,6 +77,7 @@ class Call:
         self.trace = None                   # trace context (telemetry)
         self.timer = None                   # route deadline handle
         self.deadline = 0.0                 # loop time of the route deadline (0 = none)
+        self.deadline_what = ""             # which deadline, as the client hears it ("route timeout 2000ms")
         self.credited_ns = 0                # client pauses the deadline has moved by (Pipeline._credit_pauses)
         self.retry_timer = None             # backoff before the next attempt
         self.holds_request = False          # counted in the cluster's max_requests
@@ -119,7 +120,7 @@ class Upload:
     """
 
     __slots__ = ("client", "call", "total", "received", "done", "tail", "held", "held_size", "paused",
-                 "timeout", "timeout_what", "held_ns", "_held_at", "splice")
+                 "timeout", "held_ns", "_held_at", "splice")
 
     def __init__(self, client, total: int | None, held: list, tail=None) -> None:
         self.client = client                # the ClientConnection it arrives on
@@ -132,7 +133,6 @@ class Upload:
         self.done = False
         self.paused = False
         self.timeout = 0.0                  # the route timeout, armed once the request is whole
-        self.timeout_what = ""              # what it is, for the client's error ("route timeout 2s")
         self.held_ns = 0
         self._held_at = 0
         self.splice = None                  # moving the rest of it kernel to kernel (proxy.splice)

@@ -161,10 +161,11 @@ class Pipeline:
             what = f"{what} {_ms(timeout)}"
             if upload is not None:
                 upload.timeout = timeout  # counts from the request's last byte (_upload_received)
-                upload.timeout_what = what
+                call.deadline_what = what
             else:
                 call.deadline = self.loop.time() + timeout - (monotonic_ns() - t_framed) / 1e9
-                call.timer = self.loop.call_at(call.deadline, self._call_timeout, call, what)
+                call.deadline_what = what
+                call.timer = self.loop.call_at(call.deadline, self._call_timeout, call)
         self.start_attempt(call)
 
     # 1b: a large request streams in --------------------------------------------------
@@ -218,7 +219,7 @@ class Pipeline:
         up = call.upload
         if up.timeout > 0:
             call.deadline = self.loop.time() + up.timeout
-            call.timer = self.loop.call_at(call.deadline, self._call_timeout, call, up.timeout_what)
+            call.timer = self.loop.call_at(call.deadline, self._call_timeout, call)
         a = call.attempt
         settings = call.route.settings if call.route is not None else None
         per_try = settings.retry.per_try_timeout if settings is not None else 0.0
@@ -320,6 +321,18 @@ class Pipeline:
             self._leave_pending(attempt)
         if call.cancelled or attempt is not call.attempt or attempt.ended:
             conn.pool.release(conn)
+            return
+        if call.deadline and self.loop.time() >= call.deadline and self._past_deadline(call):
+            # The connection came after the deadline (the loop stalled through both): not
+            # written, and the call is answered now, as its timer, due too, would.
+            conn.pool.release(conn)
+            if call.timer is not None:
+                call.timer.cancel()
+                call.timer = None
+            error = UpstreamError(f"{call.deadline_what} while waiting for a connection to {attempt.endpoint.label}",
+                                  written=False, timeout=True, endpoint_fault=False)
+            self._drop_attempt(attempt, error.message, calls.NOT_SENT)
+            self._time_out(call, error)
             return
         attempt.t_acquired = monotonic_ns()
         attempt.upconn = conn
@@ -651,7 +664,7 @@ class Pipeline:
     def _retry_now(self, call: Call, reason: str) -> None:
         call.retry_timer = None
         self._end_backoff(call)
-        if call.cancelled or (call.deadline and self.loop.time() >= self._credit_pauses(call)):
+        if call.cancelled or self._past_deadline(call):
             # (past the deadline: the loop stalled through the backoff's end and the deadline
             # both; no attempt starts after it, the route timeout, due too, answers the call)
             if call.cluster.limits is not None:
@@ -739,21 +752,29 @@ class Pipeline:
                 call.credited_ns = paused
         return call.deadline
 
-    def _call_timeout(self, call: Call, what: str, rechecked: bool = False) -> None:
-        """The call's deadline: `what` it is, as the client hears it ("route timeout 2000ms")."""
+    def _past_deadline(self, call: Call) -> bool:
+        return bool(call.deadline) and self.loop.time() >= self._credit_pauses(call)
+
+    def _call_timeout(self, call: Call, rechecked: bool = False) -> None:
+        """The call's deadline (`call.deadline_what`) passed."""
         call.timer = None
         if call.reply is not None or call.cancelled:
             return
         if not rechecked and self.loop.time() - call.deadline > STALL_GRACE:
             # The loop itself was stalled past the deadline (clock.STALL_GRACE): a reply that came
             # meanwhile is read first (the next poll, in STALL_RECHECK), then the timeout stands.
-            call.timer = self.loop.call_later(STALL_RECHECK, self._call_timeout, call, what, True)
+            call.timer = self.loop.call_later(STALL_RECHECK, self._call_timeout, call, True)
             return
         before = call.deadline
         if self._credit_pauses(call) > before or call.deadline - self.loop.time() > DEADLINE_SLACK:
             # the client's pauses moved it on (now, or since this timer was set)
-            call.timer = self.loop.call_at(call.deadline, self._call_timeout, call, what)
+            call.timer = self.loop.call_at(call.deadline, self._call_timeout, call)
             return
+        self._time_out(call)
+
+    def _time_out(self, call: Call, error: UpstreamError | None = None) -> None:
+        """Answer the call as timed out (`error`: the current attempt's, already dropped)."""
+        what = call.deadline_what
         if call.streamed:
             a = call.attempt
             if a is not None and a.upconn is not None:
@@ -764,7 +785,9 @@ class Pipeline:
         self.stats["timeouts"] += 1
         self._cancel_backoff(call)
         a = call.attempt
-        if a is not None and not a.ended:
+        if error is not None:
+            pass
+        elif a is not None and not a.ended:
             error = self._stop_attempt(a, what)
             self._drop_attempt(a, error.message, calls.TIMEOUT if error.written else calls.NOT_SENT)
         else:

@@ -242,6 +242,14 @@ def test_a_call_an_earlier_attempt_may_have_run_says_which_attempt_did():
                         "was written (2 attempts)"), msg
 
 
+def stall_loop(loop, seconds: float) -> None:
+    """Stall the proxy's event loop for `seconds` (a blocking sleep in a callback); returns once
+    it has started."""
+    stalled = threading.Event()
+    loop.call_soon_threadsafe(lambda: (stalled.set(), time.sleep(seconds)))
+    stalled.wait(5)
+
+
 class DropsFirstOfEach(RawUpstream):
     """Closes the connection on each seqid's first request (read, so it may have run), then stalls
     the proxy's loop 200 ms (`stall`, set by the test): a retry's backoff spans the deadline.
@@ -277,7 +285,7 @@ def test_no_retry_starts_after_the_deadline_when_the_loop_stalls_through_it():
     spanned = 0
     try:
         with Proxy(text) as p:
-            up.stall = lambda: p.loop.call_soon_threadsafe(time.sleep, 0.2)
+            up.stall = lambda: stall_loop(p.loop, 0.2)
             for seqid in range(1, 5):
                 with socket.create_connection(("127.0.0.1", p.port())) as s:
                     t0 = time.monotonic()
@@ -286,13 +294,69 @@ def test_no_retry_starts_after_the_deadline_when_the_loop_stalls_through_it():
                 writes = [t - t0 for q, t in up.seen if q == seqid]
                 assert r.seqid == seqid
                 if r.type == MessageType.EXCEPTION:  # (else the backoff ended before the stall)
-                    spanned += 1
-                    assert app_exception(r).message == "thrift-sidecar: may have run: route timeout 100ms passed"
+                    msg = app_exception(r).message
+                    if msg == "thrift-sidecar: may have run: route timeout 100ms passed":
+                        spanned += 1  # the stall spanned the backoff: no attempt 2
+                    else:  # the backoff ended first: attempt 2 was connecting, or awaiting its reply
+                        assert msg.startswith("thrift-sidecar: may have run: route timeout 100ms"), msg
+                        assert msg.endswith(" (2 attempts)"), msg
                 assert all(w < 0.1 for w in writes), (seqid, writes)  # nothing written past the deadline
                 time.sleep(0.25)
     finally:
         up.close()
-    assert spanned >= 1  # (each try: 1 in 8 that its backoff ended within the first 10 ms)
+    assert spanned >= 1  # (each try: about 1 in 8 that its backoff ended before the stall)
+
+
+class StallsThenReplies(RawUpstream):
+    """Reads a request, waits 30 ms (the test's second call is waiting for the pool's one
+    connection by then), stalls the proxy's loop 200 ms (`stall`, set by the test: it returns
+    once the loop is stalled) and answers while it is stalled. `seen`: (seqid, monotonic time) of every request read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[int, float]] = []
+        self.stall = None
+
+    def _one(self, c: socket.socket) -> None:
+        from harness import reply_bytes
+
+        for name, seqid in self.requests(c):
+            self.seen.append((seqid, time.monotonic()))
+            if len(self.seen) == 1:
+                time.sleep(0.03)
+                self.stall()
+            c.sendall(reply_bytes(name, seqid))
+
+
+def test_a_connection_that_comes_after_the_deadline_is_not_written_on():
+    """Route timeout 100 ms, one pooled connection: call 2 waits for it while call 1 holds it.
+    The loop stalls 200 ms and call 1's reply lands in the stall: once the loop runs, that
+    reply frees the connection before call 2's timer, past due, runs. Before: call 2 was
+    written ~200 ms in, past its deadline, and the client got its reply."""
+    up = StallsThenReplies()
+    text = cfg([up], route_extra="\n        timeout: 100ms",
+               cluster_extra="\n    pool: {max_connections: 1}" + NO_BREAKER)
+    try:
+        with Proxy(text) as p:
+            up.stall = lambda: stall_loop(p.loop, 0.2)
+            with socket.create_connection(("127.0.0.1", p.port())) as s1, \
+                    socket.create_connection(("127.0.0.1", p.port())) as s2:
+                s1.sendall(request_bytes("framed", "binary", "lookup", "k", seqid=1))
+                wait_for(lambda: up.seen)
+                s2.sendall(request_bytes("framed", "binary", "lookup", "k", seqid=2))
+                (r1,) = read_messages(s1, 1)
+                (r2,) = read_messages(s2, 1)
+                assert r1.seqid == 1 and r1.type == MessageType.REPLY
+                assert r2.seqid == 2 and r2.type == MessageType.EXCEPTION
+                assert app_exception(r2).message == (
+                    f"thrift-sidecar: not sent: route timeout 100ms while waiting for a connection to {up.address}")
+                s2.sendall(request_bytes("framed", "binary", "lookup", "k", seqid=3))
+                (r3,) = read_messages(s2, 1)  # the connection went back to the pool
+                assert r3.seqid == 3 and r3.type == MessageType.REPLY
+            assert [q for q, _ in up.seen] == [1, 3]  # call 2 never went upstream
+            assert up.connections == 1
+    finally:
+        up.close()
 
 
 def test_max_pending_excess_fails_fast_with_not_sent():
