@@ -387,10 +387,15 @@ class Pipeline:
     def _request_bytes(self, call: Call, attempt: Attempt, framing) -> bytes:
         """The request as this upstream wants it: re-framed, renamed, with THeader headers added."""
         if (framing is F_HEADER or framing is F_FRAMED_HEADER) and (
-                call.deadline or self.on_send is not None):
+                call.deadline or attempt.timer is not None or self.on_send is not None):
             headers = dict(call.msg.headers)
-            if call.deadline:
-                left = self._credit_pauses(call) - self.loop.time()
+            if call.deadline or attempt.timer is not None:
+                # the time this attempt has: the route deadline's, or its per-try timeout's if less
+                now = self.loop.time()
+                left = self._credit_pauses(call) - now if call.deadline else None
+                if attempt.timer is not None:
+                    per_try = attempt.timer.when() - now
+                    left = per_try if left is None else min(left, per_try)
                 headers[CLIENT_TIMEOUT_HEADER] = str(max(int(left * 1000), 1))
             if self.on_send is not None:
                 self.on_send(attempt, headers)

@@ -142,3 +142,18 @@ def test_a_call_cut_by_the_clients_own_client_timeout_says_so(upstream):
     message = app_exception(m).message
     assert message.startswith("thrift-sidecar: may have run: the client's THeader client_timeout 200ms: "
                               "no reply from "), message
+
+
+@pytest.mark.parametrize("route", ["\n        timeout: 2s\n        retry: {per_try_timeout: 300ms}",
+                                   "\n        retry: {per_try_timeout: 300ms}"],
+                         ids=["route_timeout_and_per_try", "per_try_only"])
+def test_the_client_timeout_sent_upstream_is_the_attempts_per_try_timeout_when_shorter(upstream, route):
+    """The upstream is told the time this attempt has: its per-try timeout, not the whole route
+    deadline. Before: 2000 ms (or nothing), so the service worked on past the moment the proxy
+    gave up on the attempt."""
+    from harness import Proxy
+
+    with Proxy(_config(upstream, route)) as p:
+        assert _call(p.port(), _request({})).type == 2
+    got = upstream.handler.seen[-1]
+    assert 1 <= int(got[b"client_timeout"]) <= 300, got
