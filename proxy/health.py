@@ -108,9 +108,12 @@ class HealthChecker:
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._run())
 
-    def close(self) -> None:
+    def close(self) -> asyncio.Task | None:
+        """Stop checking. Returns the task, which ends at its next await: the server waits for
+        it before the loop closes (else asyncio warns that a pending task was destroyed)."""
         if self.task is not None:
             self.task.cancel()
+        return self.task
 
     async def _run(self) -> None:
         seqid = 0

@@ -235,6 +235,7 @@ class Server:
         self.clusters: dict[str, Cluster] = {}
         self._cluster_cfg: dict[str, cfgmod.Cluster] = {}
         self.health: dict[str, HealthChecker] = {}
+        self._checks_ending: set[asyncio.Task] = set()  # stopped health checkers' tasks, till they end
         self.listeners: dict[str, ListenerState] = {}
         self.servers: dict[str, asyncio.base_events.Server] = {}
         self._listen_cfg: dict[str, cfgmod.Listener] = {}
@@ -354,7 +355,7 @@ class Server:
                 _carry_endpoints(prev, c)
             old = self.health.pop(c.name, None)
             if old is not None:
-                old.close()
+                self._stop_checker(old)
             hc = self._cluster_cfg[c.name].health_check
             if hc is not None:
                 if old is not None:
@@ -513,7 +514,7 @@ class Server:
                 checker = self.health.get(c.name)
                 if checker is not None and checker.cluster is c:
                     del self.health[c.name]
-                    checker.close()
+                    self._stop_checker(checker)
                 c.retire()  # discovery stops now; its pools close once no call is on it
                 self._retiring.append(c)
             self._sweep_retired()
@@ -679,6 +680,12 @@ class Server:
     async def wait_stopped(self) -> None:
         await self._stop.wait()
 
+    def _stop_checker(self, checker: HealthChecker) -> None:
+        task = checker.close()
+        if task is not None and not task.done():
+            self._checks_ending.add(task)
+            task.add_done_callback(self._checks_ending.discard)
+
     async def close(self) -> None:
         self.ready = False
         if self._watch is not None:
@@ -698,7 +705,7 @@ class Server:
             for conn in list(state.connections):
                 conn.shut_down(why)
         for h in self.health.values():
-            h.close()
+            self._stop_checker(h)
         for c in list(self.clusters.values()) + self._retiring:
             c.close()
         self._retiring = []
@@ -708,6 +715,8 @@ class Server:
                     await srv.wait_closed()
             except TimeoutError:
                 pass
+        if self._checks_ending:
+            await asyncio.wait(self._checks_ending, timeout=1.0)
         self.lag.stop()
         splice.close_idle_pipes()
         if self.admin is not None:
