@@ -29,6 +29,7 @@ attempt must not count it again.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import ssl as ssl_mod
 from collections import deque
@@ -44,12 +45,17 @@ from proxy.upstream import UpstreamConnection, UpstreamError
 log = logging.getLogger(__name__)
 
 WARN_EVERY = 5.0  # seconds between two warnings of one kind (the same reason) about one pool's endpoint
+# A connect that fails for want of the proxy's own resources (file descriptors, memory,
+# ephemeral ports) says nothing about the endpoint: not counted against its breaker.
+LOCAL_ERRNOS = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.EADDRNOTAVAIL))
 
 
 def describe_connect_error(e: BaseException, tls: bool) -> str:
     """Why a connect (and TLS handshake) failed, never empty: an upstream that closes during the
     TLS handshake raises ConnectionResetError('') (no errno, no text)."""
     reason = (e.strerror if isinstance(e, OSError) else None) or str(e)
+    if isinstance(e, OSError) and e.errno in LOCAL_ERRNOS:
+        return f"{reason} (the proxy's own limit, not the endpoint's fault)"
     if tls and isinstance(e, (ConnectionResetError, ConnectionAbortedError, EOFError)):
         # (TCP was up: a refused or unreachable connect is a different error) - the usual cause
         # is an endpoint that does not speak TLS
@@ -294,7 +300,8 @@ class Pool:
             self._connect_failed(made, (f"timed out after {s.connect_timeout * 1000:.0f}ms"
                                         + (" (TCP connect and TLS handshake)" if self.ssl is not None else ""))
                                  if timeout
-                                 else f"failed: {describe_connect_error(e, self.ssl is not None)}", timeout)
+                                 else f"failed: {describe_connect_error(e, self.ssl is not None)}", timeout,
+                                 local=isinstance(e, OSError) and e.errno in LOCAL_ERRNOS)
             return
         if conn.closed:
             # Closed before it was ours to count (`owned`): the upstream sent bytes unasked, or
@@ -313,21 +320,22 @@ class Pool:
             # Nobody waits (its caller gave up, or was served sooner): keep it for the next one.
             self.release(conn)
 
-    def _connect_failed(self, made: Connect, reason: str, timeout: bool) -> None:
+    def _connect_failed(self, made: Connect, reason: str, timeout: bool, local: bool = False) -> None:
         """A connect ended without a connection: counted, logged (throttled), told to the owner
         (and first to the endpoint's hooks: a failure may open the breaker, and a retry then
-        picks another endpoint); its slot goes to a waiter counting on a release."""
+        picks another endpoint); its slot goes to a waiter counting on a release. `local`: the
+        proxy ran out of its own resources (LOCAL_ERRNOS), which is no failure of the endpoint's."""
         self.connecting -= 1
         self.open -= 1
         self.stats["connect_failures"] += 1
         self.warnings.warn(log, reason, "connect to %s %s", self.label, reason)
         if self.on_connect_end is not None:
-            self.on_connect_end(False)
+            self.on_connect_end(None if local else False)
         w = made.owner
         if w is not None:
             w.connect = None
             w.fire(None, UpstreamError(f"connect to {self.label} {reason}", written=False, timeout=timeout,
-                                       endpoint_fault=self.on_connect_end is None))
+                                       endpoint_fault=self.on_connect_end is None and not local))
         self._offer_slots()
 
     async def _open(self, s: PoolSettings) -> UpstreamConnection:

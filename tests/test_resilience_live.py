@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import resource
 import socket
 import statistics
 import threading
@@ -17,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from thrift.Thrift import TApplicationException
 
-from harness import Proxy, RawUpstream, ThriftServer, app_exception, client, read_messages, request_bytes, wait_for
+from harness import (Proxy, ProxyProcess, RawUpstream, ThriftServer, app_exception, client, free_port,
+                     read_messages, request_bytes, wait_for)
 from proxy.codec import MessageType
 
 
@@ -596,3 +599,37 @@ def test_oneways_written_to_a_hung_endpoint_do_not_keep_its_breaker_closed():
     finally:
         good.stop()
         hung.close()
+
+
+def test_a_connect_the_proxy_has_no_fd_for_is_not_the_endpoints_failure():
+    """The proxy process runs out of file descriptors (soft RLIMIT_NOFILE lowered to what it has
+    open) as a call needs an upstream connection: the client hears why, and the endpoint's
+    breaker (one failure opens it) does not count it. Before: the breaker opened, and calls
+    failed 'no endpoint available ... 1 ejected (breaker open)' after the proxy had fds again."""
+    up = ThriftServer()
+    port = free_port()
+    text = cfg([up], cluster_extra="\n    circuit_breaker: {consecutive_failures: 1, max_open_percent: 100}")
+    text = text.replace("listen: 127.0.0.1:0", f"listen: 127.0.0.1:{port}")
+    try:
+        with ProxyProcess(text, [port]) as p:
+            pid = p.proc.pid
+            soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(request_bytes("framed", "binary", "lookup", "k", seqid=1)[:4])  # accepted, framing
+                time.sleep(0.3)  # (its accept done)
+                fds = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
+                lowest_free = min(set(range(len(fds) + 1)) - fds)  # (the next fd a socket would get)
+                resource.prlimit(pid, resource.RLIMIT_NOFILE, (lowest_free, hard))
+                s.sendall(request_bytes("framed", "binary", "lookup", "k", seqid=1)[4:])
+                (r1,) = read_messages(s, 1)
+                resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+                s.sendall(request_bytes("framed", "binary", "lookup", "k", seqid=2))
+                (r2,) = read_messages(s, 1)
+            out = p.output()
+        assert r1.seqid == 1 and r1.type == MessageType.EXCEPTION
+        assert app_exception(r1).message == (
+            f"thrift-sidecar: not sent: connect to {up.address} failed: Too many open files "
+            "(the proxy's own limit, not the endpoint's fault)"), out
+        assert (r2.seqid, r2.type) == (2, MessageType.REPLY), app_exception(r2).message
+    finally:
+        up.stop()
