@@ -392,6 +392,13 @@ class TracedClient:
             if err is e:
                 raise
             raise err from e
+        except BaseException:
+            # Interrupted (KeyboardInterrupt, a gevent or eventlet Timeout) in any phase: the
+            # framing may hold half a request, the socket a reply still coming: start afresh,
+            # or the next call would read this one's reply.
+            self._after_failure(RuntimeError("interrupted"), 0)
+            self.close()
+            raise
         finally:
             if span.is_recording():
                 self._record(span, marks, failed, request, reply_size)

@@ -91,7 +91,7 @@ class ClientConnection(asyncio.Protocol):
         # for new connections (a timer armed under one idle_timeout must not read another).
         self.settings = s = state.settings
         self.transport = None
-        self.decoder = Decoder(s.framing, s.protocol, s.max_frame_size)
+        self.decoder = Decoder(s.framing, s.protocol, s.max_frame_size, whole_body=True)
         self.queue: deque[Call] = deque()
         self.peer = None
         self.t_first = 0
@@ -885,12 +885,15 @@ class ClientConnection(asyncio.Protocol):
         if head is None and dec.framing is not None and dec.protocol is not None:
             head = Head("", MessageType.CALL, 0, dec.framing, dec.protocol)
         log.info("client %s on listener %s: %s", self.peer, self.settings.name, e.message)
-        if head is not None and head.type != MessageType.ONEWAY and not self._oneway_name(head.name):
+        if head is not None:
             # Its head, when it could be read (e.g. a frame over max_frame_size), names the call in
             # metrics and spans as in the client's answer: method and seqid, not `_INVALID`.
             msg = (Message(head.name, head.type, head.seqid, head.framing, head.protocol, b"", 0, None, b"", 0)
                    if head.name else None)
-            self._queue_answer(msg, head, self.t_first, BAD_REQUEST, e.app_type, e.message)
+            if head.type == MessageType.ONEWAY or self._oneway_name(head.name):
+                self._fail_oneway(msg, self.t_first, BAD_REQUEST, e.app_type, e.message)  # (no answer)
+            else:
+                self._queue_answer(msg, head, self.t_first, BAD_REQUEST, e.app_type, e.message)
         if e.close:
             self.closing = True
             self._disarm_read()
@@ -924,8 +927,6 @@ class ClientConnection(asyncio.Protocol):
         each with its own seqid; oneways among them are logged and counted as failed
         (`Pipeline.fail`). Bytes still in the kernel were never read: the close resets them,
         which no client takes for an answer."""
-        pipeline = self.state.pipeline
-        now = monotonic_ns()
         while True:
             try:
                 msg = self.decoder.next_message()
@@ -937,15 +938,22 @@ class ClientConnection(asyncio.Protocol):
                 continue  # (a reply-typed message from a client gets nothing: as when read)
             t_start = self._held_since or self.t_first
             if msg.type == M_ONEWAY or self._oneway_name(msg.name):
-                pipeline.stats["calls"] += 1
-                call = Call(self, msg, t_start, now, pipeline)
-                call.oneway = True
-                call.outcome = NOT_SENT
-                pipeline.fail(call, AppErrorType.INTERNAL_ERROR, text)
+                self._fail_oneway(msg, t_start, NOT_SENT, AppErrorType.INTERNAL_ERROR, text)
                 continue
             call = self._queue_answer(msg, msg.head, t_start, NOT_SENT, AppErrorType.INTERNAL_ERROR, text)
             call.error_type = NOT_SENT
             call.t_done = call.t_framed
+
+    def _fail_oneway(self, msg: Message | None, t_start: int, outcome: str, app_type: AppErrorType,
+                     text: str) -> None:
+        """A oneway this connection does not pass on (a bad request; refused as the proxy stops):
+        nothing is answered, but it is counted, logged and recorded as failed (`Pipeline.fail`)."""
+        pipeline = self.state.pipeline
+        pipeline.stats["calls"] += 1
+        call = Call(self, msg, t_start, monotonic_ns(), pipeline)
+        call.oneway = True
+        call.outcome = outcome
+        pipeline.fail(call, app_type, text)
 
     def _queue_answer(self, msg: Message | None, head: Head, t_start: int, outcome: str,
                       app_type: AppErrorType, text: str) -> Call:

@@ -1,5 +1,10 @@
 """Structured logs: one JSON object per line (or plain text), nothing formatted unless emitted;
-repeated warnings thinned (`Throttle`)."""
+repeated warnings thinned (`Throttle`).
+
+A log line's message may carry what a client chose (a method name, up to 64 KiB on the wire):
+either format keeps it to one line of at most `MAX_MESSAGE` characters, and the text format
+shows control characters escaped (`\x0a`), so a name cannot forge a line or send a terminal
+escape sequence (a traceback, after the message, keeps its lines)."""
 
 from __future__ import annotations
 
@@ -63,13 +68,41 @@ class Throttle:
             logger.warning(msg, *args)
 
 
+MAX_MESSAGE = 4096  # characters of a log line's message; the rest is cut, and counted
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7f)}
+
+
+def cut(text: str, limit: int) -> str:
+    """`text` cut to `limit` characters, the last an ellipsis (a client's name in a span, a log)."""
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def bounded(message: str) -> str:
+    """`message` cut to MAX_MESSAGE characters (saying how many more there were)."""
+    if len(message) <= MAX_MESSAGE:
+        return message
+    return f"{message[:MAX_MESSAGE]}... ({len(message) - MAX_MESSAGE} more characters)"
+
+
+class TextFormatter(logging.Formatter):
+    """`%(asctime)s %(levelname)s %(name)s: %(message)s`, the message on one line (bounded,
+    control characters escaped)."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = bounded(record.message).translate(_ESCAPES)
+        return super().formatMessage(record)
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": bounded(record.getMessage()),
         }
         extra = getattr(record, "fields", None)
         if extra:

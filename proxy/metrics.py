@@ -48,9 +48,12 @@ repeated series undefined). The page is built in pieces of about `PIECE_LINES` l
 to format at once).
 
 Method labels are capped per service: the known methods (config/IDL) plus the first
-`max_methods` other names seen; every later name counts under `_OTHER`, so clients sending
-random method names cannot grow the label set (nor this module's memory). A request that never
-framed (bad request) counts under `_INVALID`.
+`max_methods` other names that a route took; every later name counts under `_OTHER`, so clients
+sending random method names cannot grow the label set (nor this module's memory). So does a
+name no route took (outcome `no_route`, or a `bad_request`), a name longer than `MAX_LABEL`
+characters, and one spelled as a reserved label: a client cannot use up the cap, or make a
+page of megabytes, without the proxy forwarding its calls. A request that never framed (bad
+request) counts under `_INVALID`.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from proxy import spans
-from proxy.calls import DECLARED_EXCEPTION, MAY_HAVE_RUN, NOT_SENT, SUCCESS
+from proxy.calls import BAD_REQUEST, DECLARED_EXCEPTION, MAY_HAVE_RUN, NO_ROUTE, NOT_SENT, SUCCESS
 from proxy.codec.twins import load, pure_forced
 
 __all__ = ["BUCKETS", "Metrics", "ServiceMetrics", "call_end", "call_outcome", "is_failure",
@@ -78,6 +81,8 @@ _NB = len(BUCKETS) + 1  # + the +Inf bucket
 OTHER = "_OTHER"
 INVALID = "_INVALID"
 MAX_METHODS = 100
+MAX_LABEL = 128  # a longer name (a real method has none) counts under _OTHER, as spans cut it there
+_NOT_ADMITTED = frozenset((NO_ROUTE, BAD_REQUEST))  # what no route took counts under _OTHER
 PIECE_LINES = 256  # lines of the Prometheus page formatted between two turns of the loop (~2 ms)
 NOT_DELIVERED = "not_delivered"          # (reasons of replies_not_delivered_total; the first is
 CLIENT_NEVER_READ = "client_never_read"  # also the call's error_type, as the listener sets it)
@@ -274,29 +279,32 @@ class ServiceMetrics:
             st = self._mine[(service, method)] = self._sets.get(service, method)
         return st
 
-    def _admit(self, name: str) -> MethodStats:
-        if self._seen >= self.max_methods:
+    def _admit(self, name: str, outcome: str) -> MethodStats:
+        if self._seen >= self.max_methods or outcome in _NOT_ADMITTED or len(name) > MAX_LABEL:
             return self.other  # not remembered: random names must not grow anything
+        service, method = self._label(name)
+        if method == OTHER or method == INVALID:
+            return self.other
         self._seen += 1
-        st = self.by_name[name] = self._stats_for(*self._label(name))
+        st = self.by_name[name] = self._stats_for(service, method)
         return st
 
     def record(self, call, end: int = 0) -> None:
         """Count one finished call: its hops, its total, its outcome. About 1.5 µs (compiled hops).
         `end`: `call_end(call)` if the caller has it already."""
         msg = call.msg
+        outcome = call_outcome(call)
         if msg is None:
             st = self.invalid
         else:
             st = self.by_name.get(msg.name)
             if st is None:
-                st = self._admit(msg.name)
+                st = self._admit(msg.name, outcome)
         record_hops(st.hops, st.hop_sums, call)
         d = (end or call_end(call)) - call.t_start
         if d >= 0:
             st.total[bisect_left(_BOUNDS_NS, d)] += 1
             st.total_sum += d
-        outcome = call_outcome(call)
         oc = st.outcomes
         oc[outcome] = oc.get(outcome, 0) + 1
         if call.never_read or (call.error is not None and call.error_type == NOT_DELIVERED):

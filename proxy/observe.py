@@ -14,8 +14,10 @@ from __future__ import annotations
 import logging
 from time import monotonic_ns
 
+from proxy.logs import cut
 from proxy.looplag import LoopLagMonitor
 from proxy.metrics import ServiceMetrics, call_end, call_outcome
+from proxy.telemetry import MAX_ERROR, MAX_NAME
 from proxy.tracecontext import B3_HEADERS
 
 access_log = logging.getLogger("proxy.access")
@@ -67,7 +69,8 @@ class CallRecorder:
             queued = held / 1e6
         fields = {
             "listener": self.listener, "service": self.service,
-            "method": msg.method if msg is not None else None, "seqid": msg.seqid if msg is not None else None,
+            "method": cut(msg.method, MAX_NAME) if msg is not None else None,
+            "seqid": msg.seqid if msg is not None else None,
             "outcome": call_outcome(call), "attempts": len(call.attempts),
             "endpoint": a.endpoint.label if a is not None else None,
             "client": f"{call.conn.peer[0]}:{call.conn.peer[1]}" if call.conn.peer else None,
@@ -81,7 +84,7 @@ class CallRecorder:
             "queued_ms": None if queued is None else round(queued, 3),  # as the spans (holds included)
             "write_response_ms": _ms(call.t_write or call.t_done, call.t_acked or call.t_handed),
             "loop_lag_ms": round(call.loop_lag_ns / 1e6, 3),
-            "error": call.error,
+            "error": cut(call.error, MAX_ERROR) if call.error is not None else None,
         }
         access_log.info("%s %s %s", self.service, fields["method"], fields["outcome"], extra={"fields": fields})
 

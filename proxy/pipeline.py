@@ -43,6 +43,7 @@ from proxy.codec.theader import HeaderBlockTooLarge
 from proxy.codec import (AppErrorType, Message, MessageType, Protocol, ProtocolError, exception_reply,
                          reframe)
 from proxy.codec.wire import F_FRAMED_HEADER, F_HEADER, M_CALL, M_EXCEPTION, M_ONEWAY
+from proxy.logs import Throttle, cut
 from proxy.retry import RetryPolicy
 from proxy.upstream import SENT_WATCH_MIN, WAIT_TURN, UpstreamError
 
@@ -61,6 +62,8 @@ def _client_timeout(value: str) -> float:
     return (min(int(value), _MAX_CLIENT_TIMEOUT_MS) if len(value) <= 12 else _MAX_CLIENT_TIMEOUT_MS) / 1000
 DEFAULT_RETRY_BUFFER = cfgmod.Route.model_fields["retry_buffer"].default  # a route without settings
 UPLOAD_HOLD = 1 << 20  # bytes of a streaming request held while it waits for a connection
+WARN_EVERY = 5.0  # s between two warnings of one kind (a failed oneway: by its outcome)
+MAX_LOGGED_NAME = 128  # characters of a method name in a log line (a client may send 64 KiB)
 STALL_RECHECK = 0.001  # s: a deadline the stalled loop overslept is looked at again after one I/O poll
 DEADLINE_SLACK = 0.001  # s: a route timer that fires this much before its deadline is armed again
 
@@ -93,6 +96,7 @@ class Pipeline:
         self.on_complete = None   # telemetry: called once per finished call
         self.on_send = None       # telemetry: headers to add for a THeader upstream (trace context)
         self.on_begin = None      # telemetry: trace context for THeader traffic
+        self.warnings = Throttle(WARN_EVERY)  # per-call warnings (a failed oneway), thinned per kind
         self._policies: dict[int, RetryPolicy | None] = {}
         self.exception_ids = exception_ids
         # no request this small streams (the smallest retry_buffer): the listener's cheap first test
@@ -862,7 +866,9 @@ class Pipeline:
         call.error_type = call.outcome or "error"
         if call.oneway:
             self.stats["oneway_failures"] += 1
-            log.warning("oneway call %s on listener %s failed: %s", call.msg.name, self.listener_name, text)
+            name = cut(call.msg.name, MAX_LOGGED_NAME) if call.msg is not None else "(unnamed)"
+            self.warnings.warn(log, ("oneway failed", call.outcome), "oneway call %s on listener %s failed: %s",
+                               name, self.listener_name, text)
             call.t_done = monotonic_ns()
             self._release_call(call)
             self.completed(call)
@@ -908,7 +914,7 @@ class Pipeline:
         call.cancelled = True
         self._cancel_backoff(call)
         a = call.attempt
-        record = not call.streamed and call.msg is not None
+        record = not call.streamed  # (a bad request the listener answered, msg None, too)
         if record and closed_by_proxy is not None:
             written = a is not None and a.upconn is not None
             call.outcome = call.outcome or (calls.MAY_HAVE_RUN if written or call.written else calls.NOT_SENT)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 _CACHE_MAX = 4096
+_CACHE_NAME_MAX = 256  # longer names (a real method has none) are planned each time, not kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,9 +142,10 @@ class Router:
                 fallback = r
                 break
         plan = (tuple(pending), fallback)
-        if len(self._cache) >= _CACHE_MAX:
-            self._cache.clear()
-        self._cache[name] = plan
+        if len(name) <= _CACHE_NAME_MAX:
+            if len(self._cache) >= _CACHE_MAX:
+                self._cache.clear()
+            self._cache[name] = plan
         return plan
 
     def match(self, service: str | None, method: str, headers: dict[str, str]) -> Route | None:

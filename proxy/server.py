@@ -798,11 +798,8 @@ class Server:
 def setup_logging(cfg: cfgmod.Logging) -> None:
     level = getattr(logging, cfg.level.upper())
     handler = logging.StreamHandler(sys.stderr)
-    if cfg.format == "json":
-        from proxy.logs import JsonFormatter
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    from proxy.logs import JsonFormatter, TextFormatter
+    handler.setFormatter(JsonFormatter() if cfg.format == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

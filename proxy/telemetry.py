@@ -56,6 +56,7 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 from proxy import __version__, otlp, spans
 from proxy.calls import DECLARED_EXCEPTION, SUCCESS
 from proxy.exporter import ExportQueue, make_exporter
+from proxy.logs import cut
 from proxy.metrics import INVALID, call_end, call_outcome, is_failure
 from proxy.tracecontext import TraceContext, inject, new_id, start
 
@@ -97,10 +98,6 @@ class _Resource(Resource):
 # which a collector (gRPC's 4 MiB default) refuses whole, losing every call's spans in it.
 MAX_NAME = 128
 MAX_ERROR = 1024
-
-
-def _cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def _ms(ns: int) -> float:
@@ -303,7 +300,7 @@ class Telemetry:
             method = msg.method
             svc = msg.service or service
             if len(method) > MAX_NAME or len(svc) > MAX_NAME:
-                method, svc = _cut(method, MAX_NAME), _cut(svc, MAX_NAME)
+                method, svc = cut(method, MAX_NAME), cut(svc, MAX_NAME)
         else:
             method, svc = INVALID, service
         name = spans.call_span_name(svc, method)
@@ -350,7 +347,7 @@ class Telemetry:
             if call.never_read and error_type in _OK_ATTEMPT:  # its only failure: nobody read the reply
                 error_type = spans.ERROR_CLIENT_NEVER_READ
             a[spans.ERROR_TYPE] = error_type
-            text = _cut(call.error, MAX_ERROR) if call.error is not None else None
+            text = cut(call.error, MAX_ERROR) if call.error is not None else None
             if text is not None:
                 a[spans.ERROR_MESSAGE] = text
             error = text or (_NEVER_READ_TEXT if error_type == spans.ERROR_CLIENT_NEVER_READ else outcome)
@@ -422,7 +419,7 @@ class Telemetry:
         error = None
         if outcome is not None and outcome not in _OK_ATTEMPT:
             a[spans.ERROR_TYPE] = outcome
-            text = _cut(att.error, MAX_ERROR) if att.error is not None else None
+            text = cut(att.error, MAX_ERROR) if att.error is not None else None
             if text is not None:
                 a[spans.ERROR_MESSAGE] = text
             error = text or outcome

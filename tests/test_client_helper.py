@@ -401,3 +401,32 @@ def test_check_accelerated_names_a_transport_that_is_not_c_readable(fresh_warnin
         assert check_accelerated(slow) is False
     assert len(caught) == 1 and issubclass(caught[0].category, AcceleratorWarning)
     assert "Plain is not a CReadableTransport" in str(caught[0].message)
+
+
+class _Interrupt(BaseException):
+    """As KeyboardInterrupt or gevent.Timeout: not an Exception."""
+
+
+def test_a_call_interrupted_while_it_waits_leaves_no_reply_for_the_next_call():
+    """Before: the socket stayed open with call 1's reply coming; call 2 read it (300, not 1)."""
+    import signal
+
+    def interrupt(*_):
+        raise _Interrupt()
+
+    server = ThriftServer("framed", "binary")
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with Proxy(config_text([server.address])) as p:
+            c = client_mod.connect(TestService.Client, port=p.port(), framing="framed")
+            signal.setitimer(signal.ITIMER_REAL, 0.1)
+            with pytest.raises(_Interrupt):
+                c.sleep(300)
+            time.sleep(0.4)  # call 1's reply has come
+            assert c.sleep(1) == 1
+            assert c.sleep(2) == 2
+            c.close()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        server.stop()

@@ -529,3 +529,45 @@ def test_a_theader_frame_on_a_framed_listener_is_named_as_such():
     frame = encode_header_frame(HeaderBlock(0, 1, 0, (), {}), fx(Framing.BUFFERED, B, "ping-call").data)
     fails(frame, Framing.FRAMED, B, starts="bad request: bad binary protocol version 0x0fff0000 (this looks like "
                                      "a THeader frame: set the listener's transport to header or auto)")
+
+
+# -- a request's struct must fill its frame (Decoder whole_body: the listener) ---------------
+
+
+@pytest.mark.parametrize("framing", [Framing.FRAMED, Framing.HEADER, Framing.FRAMED_HEADER])
+@pytest.mark.parametrize("protocol", [B, C])
+@pytest.mark.parametrize("extra", ["second-message", "one-byte", "struct-past-end"])
+def test_a_request_whose_struct_does_not_fill_its_frame_is_refused_with_its_head(framing, protocol, extra):
+    """An upstream's transport reads what is left of a frame as the next call. The upstream side
+    (whole_body False) still takes such a message as it is: it is the upstream's to answer."""
+    lookup = fx(Framing.FRAMED, protocol, "lookup-ok-call").plain
+    second = fx(Framing.FRAMED, protocol, "ping-call").plain
+    payload = {"second-message": lookup + second, "one-byte": lookup + b"\x00",
+               "struct-past-end": lookup[:-1]}[extra]
+    if framing is Framing.FRAMED:
+        data = struct.pack("!i", len(payload)) + payload
+    else:
+        data = encode_header_frame(HeaderBlock(0, 5, protocol.header_id, (), {}), payload)
+        if framing is Framing.FRAMED_HEADER:
+            data = struct.pack("!i", len(data)) + data
+    d = Decoder(framing, protocol, whole_body=True)
+    assert d.take(data) is None
+    d.feed(data)
+    with pytest.raises(ProtocolError) as e:
+        d.next_message()
+    err = e.value
+    assert err.message == ("bad request: the message's struct goes on past the end of its frame"
+                           if extra == "struct-past-end" else
+                           f"bad request: {len(payload) - len(lookup)} byte(s) after the message inside its frame "
+                           "(a second message in one frame?)")
+    assert err.head is not None and err.head.name == "lookup"
+    lenient = Decoder(framing, protocol)
+    lenient.feed(data)
+    assert lenient.next_message().name == "lookup"
+    if framing is Framing.FRAMED:  # the message alone in its frame is taken (take: strict binary only)
+        whole = struct.pack("!i", len(lookup)) + lookup
+        exact = Decoder(framing, protocol, whole_body=True)
+        exact.feed(whole)
+        assert exact.next_message().name == "lookup"
+        if protocol is B:
+            assert Decoder(framing, protocol, whole_body=True).take(whole).name == "lookup"

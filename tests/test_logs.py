@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from proxy.clock import ManualClock
 from proxy.logs import Throttle
@@ -54,3 +55,58 @@ def test_warn_says_how_many_were_held_back(caplog):
         "connect to 127.0.0.1:9 failed",
         "connect to 127.0.0.1:9 failed (and 2 more like it since the last such line)",
     ]
+
+
+def test_text_lines_escape_control_characters_and_are_bounded_tracebacks_kept():
+    from proxy.logs import MAX_MESSAGE, JsonFormatter, TextFormatter
+
+    rec = logging.LogRecord("proxy.pipeline", logging.WARNING, __file__, 1, "call %s: %s",
+                            ("get\n2024-01-01 00:00:00,000 CRITICAL forged\x1b[31m", "e" * 10_000), None)
+    line = TextFormatter().format(rec)
+    assert "\n" not in line and "\x1b" not in line
+    assert "get\\x0a2024-01-01 00:00:00,000 CRITICAL forged\\x1b[31m" in line
+    assert line.endswith(" more characters)")
+    assert len(line) < MAX_MESSAGE + 200
+    assert len(JsonFormatter().format(rec)) < MAX_MESSAGE + 400
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        import sys
+        rec = logging.LogRecord("proxy", logging.ERROR, __file__, 1, "failed", (), sys.exc_info())
+    lines = TextFormatter().format(rec).splitlines()
+    assert lines[0].endswith("ERROR proxy: failed") and lines[1] == "Traceback (most recent call last):"
+
+
+def test_a_clients_method_names_neither_forge_log_lines_nor_flood_the_log():
+    """Oneways to no route, named with a newline and a forged line: the proxy logs one line (the
+    rest of the burst thinned), the name escaped on it. Before: a WARNING line per call, and the
+    name's newline started a line that looked like the proxy's own."""
+    import socket
+    import struct
+
+    from harness import ProxyProcess, free_port
+
+    port = free_port()
+    text = f"""
+logging: {{format: text, level: info}}
+listeners:
+  - name: test
+    service: TestService
+    listen: 127.0.0.1:{port}
+    routes:
+      - match: {{method: ping}}
+        cluster: up
+clusters:
+  - name: up
+    endpoints: [127.0.0.1:9]
+"""
+    name = b"ev\n2024-01-01 00:00:00,000 CRITICAL proxy: FORGED"
+    body = struct.pack("!Ii", 0x80010004, len(name)) + name + struct.pack("!i", 1) + b"\x00"
+    with ProxyProcess(text, [port]) as p:
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall((struct.pack("!i", len(body)) + body) * 20)
+            s.sendall(b"\x00\x00\x00\x05")  # (a frame it waits for: the oneways are all read)
+            time.sleep(0.5)
+        out = p.output()
+    assert not any(ln.startswith("2024-01-01") for ln in out.splitlines()), out
+    assert out.count("oneway call ev\\x0a2024-01-01 00:00:00,000 CRITICAL proxy: FORGED on listener test") == 1, out

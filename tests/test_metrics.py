@@ -145,6 +145,26 @@ def test_label_cap_under_random_method_names():
     assert sum(v for _, v, _ in fams["thrift_sidecar_calls"]) == 10_001
 
 
+def test_names_no_route_took_or_too_long_for_a_label_count_under_other():
+    """Before: any name took a label, so 100 unrouted junk names used up the cap for good (every
+    later real method was _OTHER), and 100 names of 64 KiB made a /metrics page of ~460 MB."""
+    m = Metrics()
+    svc = m.service("S", known_methods=("get_user",), max_methods=100)
+    for i in range(150):
+        c = fx.call_success(fx.FakeMsg(f"junk{i}"))
+        c.outcome = "no_route"
+        svc.record(c)
+    for name in ("x" * 65_000, "S:" + "y" * 200, OTHER, INVALID, "Other:" + INVALID):
+        svc.record(fx.call_success(fx.FakeMsg(name)))
+    svc.record(fx.call_success(fx.FakeMsg("new_method")))  # routed: still gets its own label
+    assert svc.label_count() == 1 + 2 + 1  # get_user, _OTHER, _INVALID, new_method
+    fams = scrape(m)
+    assert value(fams, "thrift_sidecar_calls", "_total", method=OTHER, outcome="no_route") == 150
+    assert value(fams, "thrift_sidecar_calls", "_total", method=OTHER, outcome="success") == 5
+    assert value(fams, "thrift_sidecar_calls", "_total", method="new_method") == 1
+    assert len(m.exposition()) < 100_000
+
+
 def test_two_services_seeing_one_multiplexed_method_expose_it_once():
     """Two listeners (services) both taking `Users:get_user` count in one series: Prometheus
     leaves a repeated series undefined (it kept one listener's and dropped the other's)."""

@@ -432,3 +432,44 @@ def test_a_reply_cut_by_a_write_stall_is_not_delivered():
     assert stats["write_stalls"] == 1
     assert call.attrs[spans.ERROR_TYPE] == "not_delivered", call.attrs
     assert "write stall" in call.server.status.description
+
+
+def test_a_bad_request_answered_behind_a_call_is_recorded_when_the_client_resets():
+    """A slow call, then a frame that is no Thrift message (the listener's own answer, queued
+    behind the first), then the client resets: both calls are recorded, the second as a bad
+    request its client never read. Before: only the first; /stats counted two."""
+    up = ThriftServer()
+    try:
+        with Traced(_cfg(up.address), ratio=0.0) as t:
+            s = socket.create_connection(("127.0.0.1", t.port()))
+            s.sendall(request_bytes("framed", "binary", "sleep", 300, seqid=1)
+                      + struct.pack("!i", 12) + b"\x12\x34\x56\x78" + b"\x00" * 8)
+            time.sleep(0.1)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RST)
+            s.close()
+            calls = t.wait_calls(2)
+    finally:
+        up.stop()
+    by_outcome = {c.attrs[spans.OUTCOME]: c for c in calls}
+    assert set(by_outcome) == {"client_gone", "bad_request"}, [c.server.name for c in calls]
+    assert by_outcome["bad_request"].server.name == "TestService/_INVALID"
+
+
+def test_a_oneway_refused_by_max_frame_size_is_recorded_and_not_answered():
+    """A oneway over max_frame_size gets no answer (oneways never do), but is recorded as a
+    bad request, named by its head, as a call would be. Before: only protocol_errors counted it."""
+    up = ThriftServer()
+    try:
+        with Traced(_cfg(up.address, "\n    max_frame_size: 1KiB"), ratio=0.0) as t:
+            with socket.create_connection(("127.0.0.1", t.port())) as s:
+                s.sendall(request_bytes("framed", "binary", "log_event", "e" * 5000, seqid=7)[:2000])
+                s.settimeout(5)
+                assert s.recv(100) == b""  # closed, nothing answered
+            (call,) = t.wait_calls(1, timeout=10.0)
+            stats = t.proxy.server.listeners["test"].pipeline.stats
+    finally:
+        up.stop()
+    assert call.server.name == "TestService/log_event"
+    assert call.attrs[spans.OUTCOME] == "bad_request"
+    assert "exceeds max_frame_size" in call.server.status.description
+    assert stats["calls"] == 1 and stats["oneway_failures"] == 1

@@ -211,6 +211,18 @@ def test_cached_route_agrees_with_first_match_scan(calls):
         assert got is r.match(*_split(name), headers)
 
 
+def test_names_longer_than_any_method_are_routed_but_not_cached():
+    """A client sending 64 KiB names must not make the route cache keep 64 KiB per name
+    (before: up to 4,096 of them, ~256 MiB)."""
+    r = router_from("""
+      - {match: {method: "*"}, cluster: a}
+""")
+    long_name = "m" * 300
+    assert r.route(msg(long_name, {})) is r.routes[0]
+    assert r.route(msg("ping", {})) is r.routes[0]
+    assert list(r._cache) == ["ping"]
+
+
 # -- strip_service on Apache Thrift's own bytes ------------------------------------------------
 
 MUX_KEYS = [("mux-ping-call", "ping"), ("mux-add-call", "add"), ("mux-log_event-oneway", "log_event")]

@@ -10,6 +10,7 @@ import hashlib
 import os
 import socket
 import struct
+import threading
 import time
 
 import pytest
@@ -291,11 +292,12 @@ def test_a_large_request_is_spliced_upstream_byte_exact_and_the_next_one_read_as
 
 
 class StallingRecordingUpstream(RecordingUpstream):
-    """A RecordingUpstream that stops reading for 300 ms once it has 2 MB, through a small
-    receive buffer: the proxy's writes to it back up, then drain."""
+    """A RecordingUpstream that stops reading once it has 2 MB, through a small receive buffer,
+    until `release` is set (or 10 s): the proxy's writes to it back up, then drain."""
 
     def __init__(self) -> None:
         self.stalled = False
+        self.release = threading.Event()
         super().__init__()
         # small from the handshake on (accepted sockets inherit it): set only on the accepted
         # socket, the window was already scaled for the default buffer, and a loaded run's
@@ -309,7 +311,7 @@ class StallingRecordingUpstream(RecordingUpstream):
             return None
         if self.received >= 2_000_000 and not self.stalled:
             self.stalled = True
-            time.sleep(0.3)
+            self.release.wait(10)
         return super()._read(c)
 
 
@@ -327,11 +329,18 @@ def test_a_spliced_request_to_a_stalling_upstream_arrives_byte_exact():
             with socket.create_connection(("127.0.0.1", p.port())) as s:
                 s.sendall(big[:1_500_000])
                 wait_for(lambda: _stats(p).get("spliced_requests") == 1, 5, "the request spliced")
-                s.sendall(big[1_500_000:4_500_000])  # meets the stall
-                wait_for(lambda: up.received >= 4_400_000, 10, "the stall over")
+                # meets the stall: more than the proxy's socket (4 MiB at most) and pipe can take
+                sender = threading.Thread(target=s.sendall, args=(big[1_500_000:7_500_000],))
+                sender.start()
+                wait_for(lambda: p.call(lambda: any(c.upload is not None and c.upload.paused
+                                                    for conn in p.server.listeners["test"].connections
+                                                    for c in conn.queue)), 10, "the client held back")
+                up.release.set()
+                sender.join(20)
+                wait_for(lambda: up.received >= 7_400_000, 10, "the stall over")
                 time.sleep(0.1)  # the splice waits for the client now
-                for at in range(4_500_000, len(big), 500_000):
-                    s.sendall(big[at:at + 500_000])
+                for at in range(7_500_000, len(big), 100_000):
+                    s.sendall(big[at:at + 100_000])
                     time.sleep(0.02)
                 s.sendall(ping)
                 replies = read_messages(s, 2, "framed", "binary", timeout=30)
