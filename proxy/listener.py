@@ -893,7 +893,8 @@ class ClientConnection(asyncio.Protocol):
             if head.type == MessageType.ONEWAY or self._oneway_name(head.name):
                 self._fail_oneway(msg, self.t_first, BAD_REQUEST, e.app_type, e.message)  # (no answer)
             else:
-                self._queue_answer(msg, head, self.t_first, BAD_REQUEST, e.app_type, e.message)
+                self._queue_answer(msg, head, self.t_first, BAD_REQUEST, e.app_type, e.message,
+                                   e.header_block.headers if e.header_block is not None else None)
         if e.close:
             self.closing = True
             self._disarm_read()
@@ -956,10 +957,12 @@ class ClientConnection(asyncio.Protocol):
         pipeline.fail(call, app_type, text)
 
     def _queue_answer(self, msg: Message | None, head: Head, t_start: int, outcome: str,
-                      app_type: AppErrorType, text: str) -> Call:
+                      app_type: AppErrorType, text: str, headers: dict | None = None) -> Call:
         """A call this connection answers itself (a bad request; a request refused as the proxy
         stops), counted as the pipeline counts its calls (as calls_total counts it) and queued
-        in its turn, not yet written (`call_done` writes it, and may half-close after it)."""
+        in its turn, not yet written (`call_done` writes it, and may half-close after it).
+        It joins the client's trace, as any call does: from its THeader headers (`headers`, those
+        of a request whose payload could not be read)."""
         pipeline = self.state.pipeline
         pipeline.stats["calls"] += 1
         pipeline.stats["errors"] += 1
@@ -967,6 +970,8 @@ class ClientConnection(asyncio.Protocol):
         call.outcome = outcome
         call.error = text
         call.reply = exception_reply(head, app_type, PREFIX + text)
+        if pipeline.on_begin is not None and (headers is not None or (msg is not None and msg.header is not None)):
+            pipeline.on_begin(call, headers)  # the client's trace, joined by the proxy's own answer too
         self.queue.append(call)
         return call
 

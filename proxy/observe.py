@@ -95,8 +95,8 @@ class TraceHooks:
     def __init__(self, telemetry) -> None:
         self.telemetry = telemetry
 
-    def begin(self, call) -> None:
-        self.telemetry.begin(call)
+    def begin(self, call, headers: dict | None = None) -> None:
+        self.telemetry.begin(call, headers)
 
     def send(self, attempt, headers: dict) -> None:
         """Ours replace the client's trace headers, whatever their case (a client's traceparent,

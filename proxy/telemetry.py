@@ -150,15 +150,18 @@ class Telemetry:
 
     # -- per call, on the loop ---------------------------------------------------------------
 
-    def begin(self, call) -> TraceContext:
+    def begin(self, call, headers: dict | None = None) -> TraceContext:
         """Join the client's trace (THeader headers) or start one; sets and returns `call.trace`.
 
         Call it when the request is THeader (it may carry a traceparent) or when an attempt will
         go to a THeader upstream (we inject ours). Plain calls need nothing: their head decision
-        is drawn in `finished` and their trace id in the export thread.
+        is drawn in `finished` and their trace id in the export thread. `headers`: the request's,
+        when `call.msg` does not carry them (a bad request: its payload unreadable).
         """
         msg = call.msg
-        ctx = start(msg.headers if msg is not None else None, self.rng, self.ratio)
+        if headers is None and msg is not None:
+            headers = msg.headers
+        ctx = start(headers, self.rng, self.ratio)
         call.trace = ctx
         return ctx
 

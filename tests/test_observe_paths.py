@@ -473,3 +473,33 @@ def test_a_oneway_refused_by_max_frame_size_is_recorded_and_not_answered():
     assert call.attrs[spans.OUTCOME] == "bad_request"
     assert "exceeds max_frame_size" in call.server.status.description
     assert stats["calls"] == 1 and stats["oneway_failures"] == 1
+
+
+@pytest.mark.parametrize("damage", ["bad-type", "two-in-one"])
+def test_a_theader_bad_request_joins_the_clients_trace(damage):
+    """A THeader request whose header block is fine but whose payload is refused (a message type
+    that does not exist; a second message after the first): the proxy's answer joins the
+    client's trace, as a no-route answer does. Before: a trace of its own (sidecar.new_trace)."""
+    from test_theader_headers import _request
+
+    up = ThriftServer("header", "binary")
+    data = bytearray(_request({b"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01".encode()}, seqid=3))
+    if damage == "bad-type":
+        i = data.find(b"\x80\x01\x00\x01")
+        data[i + 3] = 9
+    else:
+        data += b"\x00"  # (a byte past the struct, inside the payload: the frame's length grows)
+        data[0:4] = struct.pack("!i", len(data) - 4)
+    try:
+        with Traced(_cfg(up.address, "\n    transport: header"), ratio=0.0) as t:
+            with socket.create_connection(("127.0.0.1", t.port())) as s:
+                s.sendall(bytes(data))
+                (reply,) = read_messages(s, 1, "header")
+            (call,) = t.wait_calls(1)
+    finally:
+        up.stop()
+    assert reply.seqid == 3 and reply.type == 3
+    assert call.attrs[spans.OUTCOME] == "bad_request"
+    assert call.server.context.trace_id == int(TRACE_ID, 16)
+    assert call.server.parent is not None and call.server.parent.span_id == int(PARENT_ID, 16)
+    assert call.attrs[spans.NEW_TRACE] is False

@@ -582,7 +582,9 @@ class Decoder:
                                      prefix_only=True)
             return self._message(data, payload, end, framing, protocol, block, data, payload)
         except ProtocolError as e:
-            # The payload is unreadable, but the THeader seqid still addresses a reply.
+            # The payload is unreadable, but the THeader seqid still addresses a reply, and
+            # its headers (trace context) still hold.
+            e.header_block = block
             raise e.with_head(Head("", MessageType.CALL, block.seqid, framing, protocol))
 
     def _frame_protocol(self, data, start: int, end: int) -> Protocol:

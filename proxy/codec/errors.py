@@ -47,6 +47,9 @@ class ProtocolError(Exception):
         # The bad message was taken whole (a complete frame): its bytes are gone, so the
         # decoder's pending_head() would read the *next* message's head, not this one's.
         self.whole = False
+        # A THeader request's header block, when it was read before the error: its headers
+        # (the client's trace context) still hold for the proxy's answer.
+        self.header_block = None
 
     def with_head(self, head: Head | None) -> "ProtocolError":
         if head is not None and self.head is None:
