@@ -18,10 +18,9 @@ from proxy.logs import cut
 from proxy.looplag import LoopLagMonitor
 from proxy.metrics import ServiceMetrics, call_end, call_outcome
 from proxy.telemetry import MAX_ERROR, MAX_NAME
-from proxy.tracecontext import B3_HEADERS
+from proxy.tracecontext import TRACE_HEADERS
 
 access_log = logging.getLogger("proxy.access")
-_TRACE_HEADERS = ("traceparent", "tracestate") + B3_HEADERS
 
 
 def _ms(a: int, b: int) -> float | None:
@@ -102,6 +101,6 @@ class TraceHooks:
         """Ours replace the client's trace headers, whatever their case (a client's traceparent,
         tracestate and B3 were read, kept or dropped, by `telemetry.begin`; sending them on beside
         ours would give the upstream two conflicting parents)."""
-        for key in [k for k in headers if k.lower() in _TRACE_HEADERS]:
+        for key in [k for k in headers if k.lower() in TRACE_HEADERS]:
             del headers[key]
         headers.update(self.telemetry.upstream_headers(attempt))

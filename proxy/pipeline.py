@@ -45,6 +45,7 @@ from proxy.codec import (AppErrorType, Message, MessageType, Protocol, ProtocolE
 from proxy.codec.wire import F_FRAMED_HEADER, F_HEADER, M_CALL, M_EXCEPTION, M_ONEWAY
 from proxy.logs import Throttle, cut
 from proxy.retry import RetryPolicy
+from proxy.tracecontext import TRACE_HEADERS
 from proxy.upstream import SENT_WATCH_MIN, WAIT_TURN, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -404,13 +405,25 @@ class Pipeline:
             if self.on_send is not None:
                 self.on_send(attempt, headers)
             limit = call.conn.max_frame_size
+            make = strip_service if call.route.strip_service else reframe
             try:
-                return (strip_service(call.msg, framing, headers, limit) if call.route.strip_service
-                        else reframe(call.msg, framing, headers, limit))
+                return make(call.msg, framing, headers, limit)
             except HeaderBlockTooLarge:
-                # The client's own headers fill the block: ours (deadline, trace context) do not
-                # fit, so the request goes on with the client's headers only.
-                log.info("call %s: THeader headers full, sent without the proxy's", call.msg.name)
+                # The client's own headers fill the block: ours do not all fit. Its trace headers
+                # never go on as they came (the proxy may have dropped them as invalid; the
+                # upstream would skip our span): ours replace them if they fit, else none go.
+                self.warnings.warn(log, "theader full", "call %s: THeader header block full: sent without "
+                                   "the proxy's client_timeout%s", cut(call.msg.name, MAX_LOGGED_NAME),
+                                   "" if self.on_send is None else " (and its trace context, if that did not fit)")
+                theirs = {k: v for k, v in call.msg.headers.items() if k.lower() not in TRACE_HEADERS}
+                if self.on_send is not None:
+                    ours = dict(theirs)
+                    self.on_send(attempt, ours)
+                    try:
+                        return make(call.msg, framing, ours, limit)
+                    except HeaderBlockTooLarge:
+                        pass
+                return make(call.msg, framing, theirs, limit)  # (smaller than the client's block)
         msg = call.msg
         if framing is msg.framing and msg.header is None and not call.route.strip_service:
             return msg.data  # the common case: it goes out as it came in

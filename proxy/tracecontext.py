@@ -30,6 +30,7 @@ __all__ = ["B3_HEADERS", "B3Form", "Parent", "TraceContext", "inject", "new_id",
 _HEX = frozenset("0123456789abcdef")
 MAX_TRACESTATE = 512  # W3C: propagate at least 512 characters; longer values are dropped whole
 B3_HEADERS = ("b3", "x-b3-traceid", "x-b3-spanid", "x-b3-parentspanid", "x-b3-sampled", "x-b3-flags")
+TRACE_HEADERS = ("traceparent", "tracestate") + B3_HEADERS  # (lower case) a client's, never sent on as they came
 
 
 class Parent:

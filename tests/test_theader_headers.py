@@ -92,6 +92,23 @@ def test_a_header_block_too_full_for_the_proxys_headers_goes_on_with_the_clients
     assert got[b"x-big"] == big[b"x-big"] and b"client_timeout" not in got
 
 
+def test_a_full_header_block_never_forwards_the_clients_trace_headers_as_they_came(upstream):
+    """The client's block is nearly full and carries trace headers the proxy drops as invalid:
+    they do not go on (ours replace them when they fit). Before: the client's block went on
+    verbatim, its invalid traceparent and tracestate included."""
+    client = {b"x-big": b"v" * 262_060, b"traceparent": b"x", b"tracestate": b"bad key=1"}
+    with Traced(_config(upstream, "\n        timeout: 3s"), ratio=1.0) as t:
+        reply = _call(t.port(), _request(client, seqid=6))
+        (call,) = t.wait_calls(1)
+    assert (reply.type, reply.seqid) == (2, 6)
+    got = upstream.handler.seen[-1]
+    assert got[b"x-big"] == client[b"x-big"] and b"client_timeout" not in got
+    assert got.get(b"traceparent") != b"x" and b"tracestate" not in got, got.get(b"traceparent")
+    if b"traceparent" in got:  # ours: the attempt's CLIENT span is the upstream's parent
+        (attempt,) = call.clients
+        assert got[b"traceparent"].decode().split("-")[2] == f"{attempt.context.span_id:016x}"
+
+
 @pytest.mark.parametrize("client_headers", [
     {b"traceparent": b"garbage", b"tracestate": b"vendor=abc"},
     {b"tracestate": b"vendor=abc"},
