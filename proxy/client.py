@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import select
 import socket
 import struct
 import time
@@ -231,6 +232,21 @@ class _Inbox(TTransportBase, CReadableTransport):
         return b"".join(chunks)
 
 
+def _still_open(sock: socket.socket) -> bool:
+    """An idle connection the peer has not closed (nor sent anything on, unasked): one
+    non-blocking peek. A sidecar closes a client connection idle past its `idle_timeout`: the
+    next call dials again rather than fail on the closed one."""
+    p = select.poll()
+    p.register(sock, select.POLLIN)
+    if not p.poll(0):
+        return True  # nothing to read, no FIN, no reset: open
+    try:  # (readable: a peek cannot block; a socket timeout would make a plain recv wait first)
+        sock.recv(1, socket.MSG_PEEK)
+    except OSError:
+        pass
+    return False  # closed (b"", or reset), or bytes nobody asked for: out of step
+
+
 def _is_reply(e: BaseException) -> bool:
     """A declared exception or a TApplicationException: the reply itself, decoded."""
     return isinstance(e, TException) and not isinstance(e, (TTransportException, TProtocolException))
@@ -370,7 +386,10 @@ class TracedClient:
             send(self.client, *args, **kwargs)
             request = self._outbox.take()
             marks.append(time.time_ns())                                        # encode
-            sock = self._sock if self._sock is not None else self._connect()
+            sock = self._sock
+            if sock is None or not _still_open(sock):  # (the sidecar may have closed it idle)
+                self.close()
+                sock = self._connect()
             sock.sendall(request)
             marks.append(time.time_ns())                                        # send
             if recv is None:  # oneway: nothing comes back

@@ -430,3 +430,19 @@ def test_a_call_interrupted_while_it_waits_leaves_no_reply_for_the_next_call():
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
         server.stop()
+
+
+def test_a_connection_the_sidecar_closed_idle_is_dialled_again_not_failed_on():
+    """The listener's idle_timeout closes the app's idle connection: the next call dials again.
+    Before: it failed (connection closed before the whole reply arrived), sent into a socket the
+    sidecar had closed."""
+    server = ThriftServer("framed", "binary")
+    try:
+        with Proxy(config_text([server.address], extra_listener="\n    idle_timeout: 0.2s")) as p:
+            c = client_mod.connect(TestService.Client, port=p.port(), framing="framed")
+            assert c.sleep(1) == 1
+            time.sleep(0.6)  # closed by the sidecar meanwhile
+            assert c.sleep(2) == 2
+            c.close()
+    finally:
+        server.stop()
