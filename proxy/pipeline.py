@@ -958,6 +958,8 @@ class Pipeline:
                     else "before its reply")
             a.upconn.abandon()
             self._drop_attempt(a, f"the client closed its connection {what}", calls.MAY_HAVE_RUN, blame=False)
+        if a is not None and a.t_reply > call.t_done and call.reply is None:
+            call.t_done = a.t_reply  # (the attempt, stopped just now, ends inside the call's span)
         self._release_call(call)
         if record:
             self.completed(call)

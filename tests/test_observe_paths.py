@@ -503,3 +503,24 @@ def test_a_theader_bad_request_joins_the_clients_trace(damage):
     assert call.server.context.trace_id == int(TRACE_ID, 16)
     assert call.server.parent is not None and call.server.parent.span_id == int(PARENT_ID, 16)
     assert call.attrs[spans.NEW_TRACE] is False
+
+
+def test_a_call_whose_client_resets_has_every_span_inside_its_server_span():
+    """The client resets 50 ms into a 200 ms call: the attempt stopped then ends within the
+    SERVER span. Before: its CLIENT span (and service_time) ended ~40 µs after its parent."""
+    up = ThriftServer()
+    try:
+        with Traced(_cfg(up.address), ratio=1.0) as t:
+            for _ in range(3):
+                s = socket.create_connection(("127.0.0.1", t.port()))
+                s.sendall(request_bytes("framed", "binary", "sleep", 200, seqid=1))
+                time.sleep(0.05)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RST)
+                s.close()
+            calls = t.wait_calls(3, timeout=5)
+    finally:
+        up.stop()
+    for call in calls:
+        assert call.attrs[spans.OUTCOME] == "client_gone"
+        for span in call.clients + [h for hops in call.hops.values() for h in hops]:
+            assert span.end_time <= call.server.end_time, (span.name, span.end_time - call.server.end_time)
