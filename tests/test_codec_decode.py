@@ -276,3 +276,25 @@ def test_feed_takes_any_bytes_like_and_keeps_no_reference_to_mutable_input(wire:
             src[:] = bytes(len(src))  # the caller reuses its buffer
         assert isinstance(m.data, bytes)
         assert (m.name, m.seqid, m.data) == ("lookup", 2, f.data)
+
+
+def test_a_large_frames_head_trickled_byte_by_byte_is_found_within_twice_its_bytes():
+    """pending_frame reads a cut head again only as the bytes double (at most 4 KiB apart), not
+    at every read (before: each read joined all the reads so far, quadratic in a trickled name)."""
+    name = b"m" * 3000
+    frame = struct.pack("!iIi", 100_000, 0x80010001, len(name)) + name + struct.pack("!i", 7)
+    frame += b"\x00" * (100_004 - len(frame))
+    head_end = 4 + 8 + len(name) + 4
+    d = Decoder(Framing.FRAMED, Protocol.BINARY)
+    d.feed(frame[:64])
+    assert d.next_message() is None
+    found = None
+    for i in range(64, 20_000):
+        d.feed(frame[i:i + 1])
+        got = d.pending_frame()
+        if got is not None:
+            found = i + 1
+            break
+    assert found is not None and head_end <= found <= 2 * head_end, found
+    msg, total = got
+    assert (msg.name, msg.seqid, total) == ("m" * 3000, 7, 100_004)

@@ -105,6 +105,7 @@ class Decoder:
         self._parts: list | None = None   # the reads of a large frame still arriving (_PARTS_MIN)
         self._parts_have = 0               # their bytes
         self._parts_need = 0               # the whole frame's bytes, length prefix included
+        self._head_retry = 0               # pending_frame: its bytes when a cut head is read again
         self._buf = bytearray()
         self._off = 0
         self._scanner = None               # StructScanner of the unframed message in progress
@@ -273,15 +274,21 @@ class Decoder:
         total = self.pending_size()
         if total is None:
             return None
+        joined = False
         if self._parts is not None:
             parts = self._parts  # its head may be cut by a read: then over the first reads, as
             buf, off = parts[0], 0  # many as a head can need (asked at every read: not all of them)
             if len(parts) > 1 and len(buf) < _HEAD_MAX:
+                # Read again only once its bytes doubled (at most 4 KiB apart): a long name
+                # trickled in byte by byte must not cost a join of all the reads at each one.
+                if self._parts_have < self._head_retry:
+                    return None
                 n = k = 0
                 while k < len(parts) and n < _HEAD_MAX:
                     n += len(parts[k])
                     k += 1
                 buf = b"".join(parts[:k])
+                joined = True
         else:
             buf, off = (self._whole, 0) if self._whole is not None else (self._buf, self._off)
             if total <= len(buf) - off or total - 4 > self.max_frame_size:
@@ -296,8 +303,11 @@ class Decoder:
                 protocol = _sniff_protocol(buf, start)
             r = read_head(buf, start, end, protocol)
         except ProtocolError:
-            return None
+            r = None
         if r is None:
+            if joined:
+                have = self._parts_have
+                self._head_retry = have + min(have, 4096)
             return None
         name, mtype, seqid, _ = r
         return Message(name, mtype, seqid, F_FRAMED, protocol, b"", 0, None, b"", 0), total
@@ -374,6 +384,7 @@ class Decoder:
                         self._parts = [whole]
                         self._parts_have = n
                         self._parts_need = 4 + length
+                        self._head_retry = 0
                         return None
             self._buf += whole
             self._whole = None
