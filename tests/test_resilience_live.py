@@ -310,15 +310,10 @@ def test_no_retry_starts_after_the_deadline_when_the_loop_stalls_through_it():
     assert spanned >= 1  # (each try: about 1 in 8 that its backoff ended before the stall)
 
 
-class StallsThenReplies(RawUpstream):
+class StallsThenReplies(DropsFirstOfEach):
     """Reads a request, waits 30 ms (the test's second call is waiting for the pool's one
     connection by then), stalls the proxy's loop 200 ms (`stall`, set by the test: it returns
-    once the loop is stalled) and answers while it is stalled. `seen`: (seqid, monotonic time) of every request read."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[tuple[int, float]] = []
-        self.stall = None
+    once the loop is stalled) and answers while it is stalled. `seen` as DropsFirstOfEach's."""
 
     def _one(self, c: socket.socket) -> None:
         from harness import reply_bytes
