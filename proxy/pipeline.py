@@ -409,21 +409,21 @@ class Pipeline:
             try:
                 return make(call.msg, framing, headers, limit)
             except HeaderBlockTooLarge:
-                # The client's own headers fill the block: ours do not all fit. Its trace headers
-                # never go on as they came (the proxy may have dropped them as invalid; the
-                # upstream would skip our span): ours replace them if they fit, else none go.
+                # The client's own headers fill the block: ours do not all fit. With tracing on,
+                # its trace headers never go on as they came (the proxy may have dropped them as
+                # invalid; the upstream would skip our span): ours replace them if they fit, else
+                # none go. (Tracing off: the client's block goes on as it came, below.)
                 self.warnings.warn(log, "theader full", "call %s: THeader header block full: sent without "
                                    "the proxy's client_timeout%s", cut(call.msg.name, MAX_LOGGED_NAME),
                                    "" if self.on_send is None else " (and its trace context, if that did not fit)")
-                theirs = {k: v for k, v in call.msg.headers.items() if k.lower() not in TRACE_HEADERS}
                 if self.on_send is not None:
+                    theirs = {k: v for k, v in call.msg.headers.items() if k.lower() not in TRACE_HEADERS}
                     ours = dict(theirs)
                     self.on_send(attempt, ours)
                     try:
                         return make(call.msg, framing, ours, limit)
                     except HeaderBlockTooLarge:
-                        pass
-                return make(call.msg, framing, theirs, limit)  # (smaller than the client's block)
+                        return make(call.msg, framing, theirs, limit)  # (smaller than the client's block)
         msg = call.msg
         if framing is msg.framing and msg.header is None and not call.route.strip_service:
             return msg.data  # the common case: it goes out as it came in
