@@ -69,6 +69,11 @@ class Throttle:
 
 
 MAX_MESSAGE = 4096  # characters of a log line's message; the rest is cut, and counted
+# Names and texts a client chooses are cut to these lengths in spans, logs and metric labels (a
+# method name may be up to 64 KiB on the wire): one client's 60 KB names made a span batch of
+# 256 calls a 15 MB request, which a collector (gRPC's 4 MiB default) refuses whole.
+MAX_NAME = 128
+MAX_ERROR = 1024
 _ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7f)}
 
 

@@ -50,7 +50,7 @@ to format at once).
 Method labels are capped per service: the known methods (config/IDL) plus the first
 `max_methods` other names that a route took; every later name counts under `_OTHER`, so clients
 sending random method names cannot grow the label set (nor this module's memory). So does a
-name no route took (outcome `no_route`, or a `bad_request`), a name longer than `MAX_LABEL`
+name no route took (outcome `no_route`, or a `bad_request`), a name longer than `proxy.logs.MAX_NAME`
 characters, and one spelled as a reserved label: a client cannot use up the cap, or make a
 page of megabytes, without the proxy forwarding its calls. A request that never framed (bad
 request) counts under `_INVALID`.
@@ -68,6 +68,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from proxy import spans
 from proxy.calls import BAD_REQUEST, DECLARED_EXCEPTION, MAY_HAVE_RUN, NO_ROUTE, NOT_SENT, SUCCESS
 from proxy.codec.twins import load, pure_forced
+from proxy.logs import MAX_NAME
 
 __all__ = ["BUCKETS", "Metrics", "ServiceMetrics", "call_end", "call_outcome", "is_failure",
            "OTHER", "INVALID"]
@@ -81,7 +82,6 @@ _NB = len(BUCKETS) + 1  # + the +Inf bucket
 OTHER = "_OTHER"
 INVALID = "_INVALID"
 MAX_METHODS = 100
-MAX_LABEL = 128  # a longer name (a real method has none) counts under _OTHER, as spans cut it there
 _NOT_ADMITTED = frozenset((NO_ROUTE, BAD_REQUEST))  # what no route took counts under _OTHER
 PIECE_LINES = 256  # lines of the Prometheus page formatted between two turns of the loop (~2 ms)
 NOT_DELIVERED = "not_delivered"          # (reasons of replies_not_delivered_total; the first is
@@ -280,7 +280,7 @@ class ServiceMetrics:
         return st
 
     def _admit(self, name: str, outcome: str) -> MethodStats:
-        if self._seen >= self.max_methods or outcome in _NOT_ADMITTED or len(name) > MAX_LABEL:
+        if self._seen >= self.max_methods or outcome in _NOT_ADMITTED or len(name) > MAX_NAME:
             return self.other  # not remembered: random names must not grow anything
         service, method = self._label(name)
         if method == OTHER or method == INVALID:

@@ -14,10 +14,9 @@ from __future__ import annotations
 import logging
 from time import monotonic_ns
 
-from proxy.logs import cut
+from proxy.logs import MAX_ERROR, MAX_NAME, cut
 from proxy.looplag import LoopLagMonitor
 from proxy.metrics import ServiceMetrics, call_end, call_outcome
-from proxy.telemetry import MAX_ERROR, MAX_NAME
 from proxy.tracecontext import TRACE_HEADERS
 
 access_log = logging.getLogger("proxy.access")

@@ -43,7 +43,7 @@ from proxy.codec.theader import HeaderBlockTooLarge
 from proxy.codec import (AppErrorType, Message, MessageType, Protocol, ProtocolError, exception_reply,
                          reframe)
 from proxy.codec.wire import F_FRAMED_HEADER, F_HEADER, M_CALL, M_EXCEPTION, M_ONEWAY
-from proxy.logs import Throttle, cut
+from proxy.logs import MAX_NAME, Throttle, cut
 from proxy.retry import RetryPolicy
 from proxy.tracecontext import TRACE_HEADERS
 from proxy.upstream import SENT_WATCH_MIN, WAIT_TURN, UpstreamError
@@ -64,7 +64,6 @@ def _client_timeout(value: str) -> float:
 DEFAULT_RETRY_BUFFER = cfgmod.Route.model_fields["retry_buffer"].default  # a route without settings
 UPLOAD_HOLD = 1 << 20  # bytes of a streaming request held while it waits for a connection
 WARN_EVERY = 5.0  # s between two warnings of one kind (a failed oneway: by its outcome)
-MAX_LOGGED_NAME = 128  # characters of a method name in a log line (a client may send 64 KiB)
 STALL_RECHECK = 0.001  # s: a deadline the stalled loop overslept is looked at again after one I/O poll
 DEADLINE_SLACK = 0.001  # s: a route timer that fires this much before its deadline is armed again
 
@@ -414,7 +413,7 @@ class Pipeline:
                 # invalid; the upstream would skip our span): ours replace them if they fit, else
                 # none go. (Tracing off: the client's block goes on as it came, below.)
                 self.warnings.warn(log, "theader full", "call %s: THeader header block full: sent without "
-                                   "the proxy's client_timeout%s", cut(call.msg.name, MAX_LOGGED_NAME),
+                                   "the proxy's client_timeout%s", cut(call.msg.name, MAX_NAME),
                                    "" if self.on_send is None else " (and its trace context, if that did not fit)")
                 if self.on_send is not None:
                     theirs = {k: v for k, v in call.msg.headers.items() if k.lower() not in TRACE_HEADERS}
@@ -806,14 +805,13 @@ class Pipeline:
             return
         self.stats["timeouts"] += 1
         self._cancel_backoff(call)
-        a = call.attempt
-        if error is not None:
-            pass
-        elif a is not None and not a.ended:
-            error = self._stop_attempt(a, what)
-            self._drop_attempt(a, error.message, calls.TIMEOUT if error.written else calls.NOT_SENT)
-        else:
-            error = UpstreamError(f"{what} passed", written=call.written, timeout=True)
+        if error is None:
+            a = call.attempt
+            if a is not None and not a.ended:
+                error = self._stop_attempt(a, what)
+                self._drop_attempt(a, error.message, calls.TIMEOUT if error.written else calls.NOT_SENT)
+            else:
+                error = UpstreamError(f"{what} passed", written=call.written, timeout=True)
         self._give_up(call, error, calls.TIMEOUT if call.written else calls.NOT_SENT)
 
     def _drop_attempt(self, attempt: Attempt, error: str, outcome: str, blame: bool = True) -> None:
@@ -879,7 +877,7 @@ class Pipeline:
         call.error_type = call.outcome or "error"
         if call.oneway:
             self.stats["oneway_failures"] += 1
-            name = cut(call.msg.name, MAX_LOGGED_NAME) if call.msg is not None else "(unnamed)"
+            name = cut(call.msg.name, MAX_NAME) if call.msg is not None else "(unnamed)"
             self.warnings.warn(log, ("oneway failed", call.outcome), "oneway call %s on listener %s failed: %s",
                                name, self.listener_name, text)
             call.t_done = monotonic_ns()

@@ -56,7 +56,7 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 from proxy import __version__, otlp, spans
 from proxy.calls import DECLARED_EXCEPTION, SUCCESS
 from proxy.exporter import ExportQueue, make_exporter
-from proxy.logs import cut
+from proxy.logs import MAX_ERROR, MAX_NAME, cut
 from proxy.metrics import INVALID, call_end, call_outcome, is_failure
 from proxy.tracecontext import TraceContext, inject, new_id, start
 
@@ -93,11 +93,6 @@ class _Resource(Resource):
         return self is other or super().__eq__(other)
 
 
-# Names and texts a client chooses are cut to these lengths in spans (a method name may be up
-# to 64 KiB on the wire): one client's 60 KB names made a batch of 256 calls a 15 MB request,
-# which a collector (gRPC's 4 MiB default) refuses whole, losing every call's spans in it.
-MAX_NAME = 128
-MAX_ERROR = 1024
 
 
 def _ms(ns: int) -> float:

@@ -340,11 +340,9 @@ class Decoder:
                 or self.framing is not F_FRAMED):
             return None
         msg = take_framed(data, self.protocol, self.max_frame_size)
-        if msg is not None and self.whole_body:  # (inline: this is the hot path; strict binary)
-            end = len(data)
+        if msg is not None and self.whole_body:
             try:
-                scanner = self._scanner_factory(False, msg.body)
-                if not scanner.advance(data, end) or scanner.pos != end:
+                if self._struct_end(data, msg.body, len(data), False) != len(data):
                     return None  # (`feed` then raises it, with its head)
             except ProtocolError:
                 return None
@@ -628,13 +626,19 @@ class Decoder:
             pass
         return Message(name, mtype, seqid, framing, protocol, data, data_start, block, readable, body)
 
+    def _struct_end(self, readable, body: int, end: int, compact: bool) -> int | None:
+        """Where the struct at readable[body] ends; None if not by `end` (ProtocolError if it
+        is malformed). Values are skipped, not decoded."""
+        scanner = self._scanner_factory(compact, body)
+        return scanner.pos if scanner.advance(readable, end) else None
+
     def _check_body(self, readable, body: int, end: int, protocol: Protocol) -> None:
         """The struct at readable[body] ends exactly at `end` (`whole_body`), else ProtocolError."""
-        scanner = self._scanner_factory(protocol is Protocol.COMPACT, body)
-        if not scanner.advance(readable, end):
+        stop = self._struct_end(readable, body, end, protocol is Protocol.COMPACT)
+        if stop is None:
             raise ProtocolError("bad request: the message's struct goes on past the end of its frame")
-        if scanner.pos != end:
-            raise ProtocolError(f"bad request: {end - scanner.pos} byte(s) after the message inside its frame "
+        if stop != end:
+            raise ProtocolError(f"bad request: {end - stop} byte(s) after the message inside its frame "
                                 "(a second message in one frame?)")
 
     # -- unframed -------------------------------------------------------------
