@@ -338,6 +338,20 @@ class Pipeline:
             self._drop_attempt(attempt, error.message, calls.NOT_SENT)
             self._time_out(call, error)
             return
+        timer = attempt.timer
+        if timer is not None and self.loop.time() >= timer.when():
+            # The same for the attempt's per-try deadline: not written; the attempt failed as not
+            # sent (so it may be retried), as its timer, due too, would have failed it. (No client
+            # pause can have moved that deadline: none of this call's replies is out yet.)
+            conn.pool.release(conn)
+            timer.cancel()
+            attempt.timer = None
+            self.stats["timeouts"] += 1
+            per_try = call.route.settings.retry.per_try_timeout
+            self.attempt_failed(attempt, UpstreamError(
+                f"per-try timeout {_ms(per_try)} while waiting for a connection to {attempt.endpoint.label}",
+                written=False, timeout=True, endpoint_fault=False))
+            return
         attempt.t_acquired = monotonic_ns()
         attempt.upconn = conn
         if call.upload is not None:
