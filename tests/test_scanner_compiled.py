@@ -371,6 +371,44 @@ def test_agrees_on_fuzzed_input(inp):
     check_scan(data, compact, pos, rnd, max_depth)
 
 
+def one_scan(fn, data, pos, end, compact):
+    try:
+        return fn(data, pos, end, compact)
+    except ProtocolError as e:
+        return ("error", e.message)
+
+
+@needs_compiled
+@SETTINGS
+@given(inp=scan_inputs())
+def test_the_one_call_scan_agrees_on_fuzzed_input(inp):
+    """`struct_end` (the listener's body check: one call, no scanner object) against the pure
+    reference, at the read's end and cut short, over every buffer kind."""
+    compact, data, pos, _, rnd = inp
+    for end in (len(data), rnd.randint(pos, len(data))):
+        want = one_scan(scan.pure_struct_end, data, pos, end, compact)
+        for kind in BUFFER_KINDS:
+            assert one_scan(scan._compiled.struct_end, kind(data), pos, end, compact) == want
+
+
+@needs_compiled
+@pytest.mark.parametrize("compact", [False, True], ids=["binary", "compact"])
+def test_the_one_call_scan_agrees_on_fixtures_and_past_its_inline_stack(compact):
+    """Every fixture whole and without its last byte; structs nested 15 to 70 deep (its stack
+    grows off the inline frames past 16; past 64 it is an error, as for StructScanner)."""
+    fast, pure = scan._compiled.struct_end, scan.pure_struct_end
+    for c, data, body in real_messages():
+        if c == compact:
+            assert fast(data, body, len(data), c) == pure(data, body, len(data), c) == len(data)
+            assert fast(data, body, len(data) - 1, c) is None
+    for depth in (15, 16, 17, 40, 63, 64, 65, 70):
+        field = bytes([0x1C]) if compact else bytes([12, 0, 1])  # a struct field, id 1
+        data = field * depth + b"\x00" * (depth + 1)
+        assert one_scan(fast, data, 0, len(data), compact) == one_scan(pure, data, 0, len(data), compact)
+    with pytest.raises(ValueError):
+        fast(b"\x00", 0, 2, compact)
+
+
 @needs_compiled
 @pytest.mark.parametrize("protocol", [B, C], ids=["binary", "compact"])
 @pytest.mark.parametrize("case", ["echo-15MB", "get_users-20k"])

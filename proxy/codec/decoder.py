@@ -42,7 +42,7 @@ import struct
 from proxy.codec.errors import Head, ProtocolError
 from proxy.codec.heads import MAX_NAME_LENGTH, peek_result_field, read_head
 from proxy.codec.message import Message, take_framed
-from proxy.codec.scan import StructScanner
+from proxy.codec.scan import StructScanner, struct_end
 from proxy.codec.stream import UnframedStream
 from proxy.codec.theader import INFLATE_PREFIX, inflate, parse_header_block
 from proxy.codec.wire import (
@@ -101,6 +101,8 @@ class Decoder:
         self.max_frame_size = max_frame_size
         self.whole_body = whole_body
         self._scanner_factory = scanner_factory or StructScanner
+        # a whole scan in one call (no scanner object) unless a factory was chosen (tests)
+        self._struct_end = struct_end if scanner_factory is None else self._struct_end_by_factory
         self._whole: bytes | None = None  # a fed bytes object not yet copied into _buf
         self._parts: list | None = None   # the reads of a large frame still arriving (_PARTS_MIN)
         self._parts_have = 0               # their bytes
@@ -626,9 +628,9 @@ class Decoder:
             pass
         return Message(name, mtype, seqid, framing, protocol, data, data_start, block, readable, body)
 
-    def _struct_end(self, readable, body: int, end: int, compact: bool) -> int | None:
+    def _struct_end_by_factory(self, readable, body: int, end: int, compact: bool) -> int | None:
         """Where the struct at readable[body] ends; None if not by `end` (ProtocolError if it
-        is malformed). Values are skipped, not decoded."""
+        is malformed). Values are skipped, not decoded. (`_struct_end`, with a chosen factory.)"""
         scanner = self._scanner_factory(compact, body)
         return scanner.pos if scanner.advance(readable, end) else None
 

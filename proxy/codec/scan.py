@@ -22,6 +22,10 @@ Two implementations of one interface: `cls(compact, pos=0, max_depth=64)`,
     StructScanner          the one to use: compiled if importable, else pure; the
                            decoder's default. THRIFT_SIDECAR_PURE_SCANNER=1 (or _PURE_PYTHON=1) forces pure.
     SCANNER_IMPL           "c" or "python": which one StructScanner is.
+    struct_end             `(buf, pos, end, compact) -> int | None`: one whole scan with no
+                           object made (the listener's check of every framed request's body):
+                           the compiled `_scan.struct_end` with StructScanner's, else
+                           `pure_struct_end`.
 
 Nothing is logged at import.
 """
@@ -334,6 +338,13 @@ def _read_uvarint(buf, pos: int, end: int):
     return None
 
 
+def pure_struct_end(buf, pos: int, end: int, compact: bool) -> int | None:
+    """Where the struct at buf[pos] ends, if by `end` (None if not); ProtocolError if it is
+    malformed. The reference for the compiled `struct_end`."""
+    s = PureStructScanner(compact, pos)
+    return s.pos if s.advance(buf, end) else None
+
+
 _compiled = load("proxy.codec._scan")
 CompiledStructScanner = _compiled.StructScanner if _compiled is not None else None
 
@@ -343,3 +354,5 @@ if CompiledStructScanner is not None and not pure_forced("THRIFT_SIDECAR_PURE_SC
 else:
     StructScanner = PureStructScanner
     SCANNER_IMPL = "python"
+
+struct_end = _compiled.struct_end if StructScanner is CompiledStructScanner else pure_struct_end
