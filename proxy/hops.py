@@ -58,6 +58,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from proxy import spans
+from proxy.logs import escape_controls
 
 __all__ = ["Span", "Attempt", "Call", "Group", "HopRow", "Report", "HopsError", "MEANINGS",
            "LOOP_LAG", "BETWEEN", "load_jsonl", "load_jaeger", "parse_otlp_request", "parse_jaeger",
@@ -670,7 +671,7 @@ def render_text(report: Report) -> str:
             what += "  [" + ", ".join(notes) + "]"
         lines.append(f"  {_ms(c.total):>10}  {dom:<34}  {c.trace_id:<32}  {what}")
     lines.append(report.verdict)
-    return "\n".join(lines)
+    return "\n".join(map(escape_controls, lines))  # (names and errors come from clients)
 
 
 # --------------------------------------------------------------------------------------------

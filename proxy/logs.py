@@ -77,6 +77,12 @@ MAX_ERROR = 1024
 _ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7f)}
 
 
+def escape_controls(text: str) -> str:
+    """`text` with control characters escaped (`\\x0a`): a client-chosen name printed to a
+    terminal (a log line, `thrift-sidecar hops`) can neither forge lines nor send escapes."""
+    return text.translate(_ESCAPES)
+
+
 def cut(text: str, limit: int) -> str:
     """`text` cut to `limit` characters, the last an ellipsis (a client's name in a span, a log)."""
     return text if len(text) <= limit else text[:limit - 1] + "…"
@@ -97,7 +103,7 @@ class TextFormatter(logging.Formatter):
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def formatMessage(self, record: logging.LogRecord) -> str:
-        record.message = bounded(record.message).translate(_ESCAPES)
+        record.message = escape_controls(bounded(record.message))
         return super().formatMessage(record)
 
 

@@ -444,6 +444,16 @@ def test_table_numbers_exact(tmp_path):
     assert report.worst[0].trace_id in worst[0]
 
 
+def test_client_chosen_names_print_with_control_characters_escaped(tmp_path):
+    """A method name is the client's: `hops` prints it (group heading and worst calls) with
+    control characters escaped, so it can neither forge table lines nor send terminal escapes."""
+    evil = "get\x1b[31mred\nverdict= all is well"
+    r = hops("--spans", write_span_file(tmp_path / "spans.jsonl", [build(0, method=evil)]))
+    assert "\x1b" not in r.stdout and "\nverdict= all is well" not in r.stdout
+    assert f"{SERVICE}/get\\x1b[31mred\\x0averdict= all is well: 1 calls" in r.stdout
+    assert r.stdout.count("get\\x1b[31mred") >= 2  # its group, the worst calls (and the verdict)
+
+
 def test_method_filter_and_worst_n(tmp_path):
     calls = slow_service(6) + [build(100 + i, method="ping", attempts=[{"service": 1.0}]) for i in range(3)]
     path = write_span_file(tmp_path / "spans.jsonl", calls)
