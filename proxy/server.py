@@ -9,7 +9,8 @@ Reload: the new config is checked, its clusters built and every new listening
 socket bound before anything is swapped; a failure (a TLS file, an IDL, a port
 in use) leaves the old config serving. A listener whose address is unchanged
 keeps its socket and its connections (a rename re-keys it); a moved one keeps
-its connections on the new config. A cluster a reload replaces is retired: its
+its connections on the new config, and takes over the socket of a listener that
+left its new address (`_Acceptor`), never that listener's connections. A cluster a reload replaces is retired: its
 discovery and health check stop at once, and its pools close only once no call
 is in flight on it (retries included). Connections of a listener a reload
 removed keep being served on the config they were accepted with until they
@@ -104,16 +105,32 @@ class ListenError(StartError):
 class _Slot:
     """One listener of a config being applied: its socket (kept or newly bound) and state."""
 
-    __slots__ = ("lc", "state", "server", "pipeline", "settings", "reused", "fresh_server")
+    __slots__ = ("lc", "state", "server", "acceptor", "pipeline", "settings", "reused", "fresh_server")
 
     def __init__(self, lc: cfgmod.Listener) -> None:
         self.lc = lc
         self.state: ListenerState | None = None
         self.server = None
+        self.acceptor: _Acceptor | None = None  # the server's (it is given `state` at the commit)
         self.pipeline: Pipeline | None = None
         self.settings: ListenerSettings | None = None
         self.reused = False        # the state is an existing listener's (its pipeline is swapped)
         self.fresh_server = False  # bound by this reload (not serving until it commits)
+
+
+class _Acceptor:
+    """A listening socket's protocol factory: each connection it accepts belongs to the listener
+    state it holds now. A reload that moves a listener onto the address another one leaves keeps
+    that socket (no gap in accepting) and gives it the moved listener's state; the old state
+    goes on only with the connections it has (retired, or its own listener's elsewhere)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: ListenerState) -> None:
+        self.state = state
+
+    def __call__(self):
+        return self.state.protocol_factory()
 
 
 def _framing(name: str | None) -> Framing | None:
@@ -238,6 +255,7 @@ class Server:
         self._checks_ending: set[asyncio.Task] = set()  # stopped health checkers' tasks, till they end
         self.listeners: dict[str, ListenerState] = {}
         self.servers: dict[str, asyncio.base_events.Server] = {}
+        self.acceptors: dict[str, _Acceptor] = {}  # each listener's server's (by listener name)
         self._listen_cfg: dict[str, cfgmod.Listener] = {}
         self.ready = False
         self.draining = False
@@ -366,16 +384,18 @@ class Server:
                 checker = self.health[c.name] = HealthChecker(c, hc.method, hc.interval, hc.timeout)
                 checker.start()
 
-    async def _bind(self, lc: cfgmod.Listener, state: ListenerState, start_serving: bool = True):
+    async def _bind(self, lc: cfgmod.Listener, acceptor: _Acceptor, start_serving: bool = True):
         return await self.loop.create_server(
-            state.protocol_factory, lc.listen.host, lc.listen.port, backlog=lc.backlog, reuse_address=True,
+            acceptor, lc.listen.host, lc.listen.port, backlog=lc.backlog, reuse_address=True,
             start_serving=start_serving)
 
     async def _open(self, lc: cfgmod.Listener, state: ListenerState | None = None) -> None:
         state = state or self.build_listener(lc)
-        srv = await self._bind(lc, state)
+        acceptor = _Acceptor(state)
+        srv = await self._bind(lc, acceptor)
         self.listeners[lc.name] = state
         self.servers[lc.name] = srv
+        self.acceptors[lc.name] = acceptor
         self._listen_cfg[lc.name] = lc
         log.info("listener %s on %s (%s/%s)", lc.name, "%s:%d" % self.address(lc.name), lc.transport, lc.protocol)
 
@@ -454,8 +474,9 @@ class Server:
                 slots = self._plan_listeners(config)
                 for slot in slots:
                     if slot.server is None:
+                        slot.acceptor = _Acceptor(slot.state)
                         try:
-                            slot.server = await self._bind(slot.lc, slot.state, start_serving=False)
+                            slot.server = await self._bind(slot.lc, slot.acceptor, start_serving=False)
                         except OSError as e:
                             i = next(i for i, lc in enumerate(config.listeners) if lc is slot.lc)
                             raise self._listen_error(i, slot.lc, e) from None
@@ -481,7 +502,7 @@ class Server:
             prev_config = self.config
             self.config = config
             old_servers, old_states = self.servers, self.listeners
-            self.servers, self.listeners = {}, {}
+            self.servers, self.listeners, self.acceptors = {}, {}, {}
             for slot in slots:
                 state = slot.state
                 if slot.reused:
@@ -492,7 +513,9 @@ class Server:
                     slot.pipeline.stats = stats
                     state.pipeline = slot.pipeline   # new calls
                     state.settings = slot.settings   # new connections
+                slot.acceptor.state = state  # (a kept socket's new connections: this listener's)
                 self.servers[slot.lc.name] = slot.server
+                self.acceptors[slot.lc.name] = slot.acceptor
                 self.listeners[slot.lc.name] = state
             self._listen_cfg = {lc.name: lc for lc in config.listeners}
             kept_servers = {id(srv) for srv in self.servers.values()}
@@ -539,12 +562,19 @@ class Server:
         return ListenError.of_listener(i, lc, error)
 
     def _plan_listeners(self, config: cfgmod.Config) -> list[_Slot]:
-        """Each listener of `config` with its pipeline, and the socket and state it goes on with:
-        the same name on the same address keeps both; a new name on an address an old listener
-        no longer uses takes over its socket and connections (a rename); a listener whose
-        address changed keeps its state (so its connections get the new config) on a socket
-        bound later. ValueError naming the listener if a pipeline cannot be built."""
+        """Each listener of `config` with its pipeline, and the socket and state it goes on with.
+
+        Sockets: a listener on the address an old listener's socket is bound to keeps that
+        socket (the same name first), so accepting never stops; else one is bound later.
+        States (a state's connections get the config of the listener it belongs to): a listener
+        the old config has keeps its own, wherever it listens now; a new name on the address
+        of an old listener this config no longer has is that listener renamed, and takes its
+        state; any other new listener gets a fresh one. The socket a listener keeps is handed
+        its state at the commit (`_Acceptor`): a listener moved onto the address another one
+        left never takes that one's connections. ValueError naming the listener if a pipeline
+        cannot be built."""
         old_cfg = self._listen_cfg
+        names = {lc.name for lc in config.listeners}
         slots = [_Slot(lc) for lc in config.listeners]
         taken: set[str] = set()  # old listeners whose socket goes on
         source: dict[int, str] = {}
@@ -567,15 +597,20 @@ class Server:
             slot.settings = self._settings(lc)
             name = source.get(i)
             if name is not None:
-                slot.state, slot.server, slot.reused = self.listeners[name], self.servers[name], True
+                slot.server, slot.acceptor = self.servers[name], self.acceptors[name]
                 old = old_cfg[name]
                 if old.backlog != lc.backlog:
                     log.warning("listener %s: backlog %d takes effect at the next restart (its socket is "
                                 "kept, with backlog %d)", lc.name, lc.backlog, old.backlog)
-                if name != lc.name:
-                    log.info("listener %s renamed %s: same socket, same connections", name, lc.name)
-            elif lc.name in old_cfg and lc.name not in taken:  # moved: its connections come along
+            if lc.name in old_cfg:  # its own state, its connections with it (moved or not)
                 slot.state, slot.reused = self.listeners[lc.name], True
+                if name is not None and name != lc.name:
+                    log.info("listener %s moved to %s:%d, the address of listener %s (removed or moved): "
+                             "that socket goes on, for %s's new connections", lc.name, lc.listen.host,
+                             lc.listen.port, name, lc.name)
+            elif name is not None and name not in names:  # a rename: the same socket and connections
+                slot.state, slot.reused = self.listeners[name], True
+                log.info("listener %s renamed %s: same socket, same connections", name, lc.name)
             else:
                 slot.state = ListenerState(slot.settings, slot.pipeline, self.loop)
         return slots

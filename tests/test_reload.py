@@ -366,6 +366,62 @@ def test_reload_keeps_the_socket_when_only_backlog_or_the_name_changes():
         up.stop()
 
 
+def _two_listeners(pa: int | None, pb: int | None, a: str, b: str) -> str:
+    """Listener A (routes to cluster a) on port pa and B (cluster b) on pb; None: not there."""
+    text = "listeners:\n"
+    for name, port in (("A", pa), ("B", pb)):
+        if port is not None:
+            text += f"""  - name: {name}
+    service: TestService
+    listen: 127.0.0.1:{port}
+    routes:
+      - cluster: {name.lower()}
+"""
+    return text + f"""clusters:
+  - name: a
+    endpoints: [{a}]
+  - name: b
+    endpoints: [{b}]
+"""
+
+
+@pytest.mark.parametrize("change", ["swap", "remove B, move A onto its port"])
+def test_a_listener_moved_onto_another_ones_address_keeps_its_own_connections(change):
+    """Listeners A (cluster a) and B (cluster b) with one client each. A reload that swaps their
+    ports, or removes B and moves A onto B's port, keeps each bound socket (no gap in
+    accepting) but every connection stays with the listener it was accepted by: A's client
+    keeps reaching a (A's new config), B's keeps reaching b (B's new config, or the old one if
+    B was removed). New connections go to whoever listens there now. Before: the listener that
+    took a socket took its connections too, and they were routed to the other cluster."""
+    up_a, up_b = ThriftServer(name="upA"), ThriftServer(name="upB")
+    pa, pb = free_ports(2)
+    try:
+        with Proxy(_two_listeners(pa, pb, up_a.address, up_b.address)) as p:
+            ca, cb = client(pa), client(pb)
+            assert (ca.lookup("k"), cb.lookup("k")) == ("upA:k", "upB:k")
+            sockets = {port: p.server.servers[n] for n, port in (("A", pa), ("B", pb))}
+            if change == "swap":
+                assert _apply(p, _two_listeners(pb, pa, up_a.address, up_b.address))
+                assert p.server.servers["A"] is sockets[pb] and p.server.servers["B"] is sockets[pa]
+                with client(pa) as new_b, client(pb) as new_a:
+                    assert (new_a.lookup("k"), new_b.lookup("k")) == ("upA:k", "upB:k")
+            else:
+                assert _apply(p, _two_listeners(pb, None, up_a.address, up_b.address))
+                assert p.server.servers["A"] is sockets[pb] and not listening(pa)
+                with client(pb) as new_a:
+                    assert new_a.lookup("k") == "upA:k"
+                snap = _snapshot(p)
+                assert snap["retired_listeners"] == [{"name": "B", "connections": 1, "in_flight": 0}]
+                assert list(snap["listeners"]) == ["A"] and snap["listeners"]["A"]["connections"] == 1
+            for _ in range(3):
+                assert (ca.lookup("k"), cb.lookup("k")) == ("upA:k", "upB:k")
+            ca.close()
+            cb.close()
+    finally:
+        up_a.stop()
+        up_b.stop()
+
+
 def test_listener_counters_survive_a_reload():
     up = ThriftServer()
     port = free_ports(1)[0]
