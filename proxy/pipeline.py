@@ -740,13 +740,16 @@ class Pipeline:
             if attempt.upconn is not None:
                 attempt.upconn.abandon()
             self.stats["timeouts"] += 1
-            self._stream_failed(attempt, f"per-try timeout {_ms(per_try)}")
+            self._stream_failed(attempt, f"per-try timeout {_ms(per_try)}", outcome=calls.TIMEOUT)
             return
         self.stats["timeouts"] += 1
         self.attempt_failed(attempt, self._stop_attempt(attempt, f"per-try timeout {_ms(per_try)}"))
 
-    def _stream_failed(self, attempt: Attempt, why: str, blame: bool = True) -> None:
+    def _stream_failed(self, attempt: Attempt, why: str, blame: bool = True,
+                       outcome: str = calls.MAY_HAVE_RUN) -> None:
         """Reply bytes already went to the client: all we can do is close its connection.
+        `outcome`: the attempt's and the call's (`timeout` when a deadline cut the stream, as
+        for a reply read whole: metrics, spans, the breaker and peak_ewma see it so).
         `blame` False: the client's connection went (it left, or the proxy cut it as a write
         stall), which says nothing about the endpoint: the call ran and its reply, as the
         upstream's head said (`call.outcome`), is recorded not delivered, as a reply read whole
@@ -754,12 +757,12 @@ class Pipeline:
         call = attempt.call
         self._off_connection(attempt)
         attempt.error = why
-        self._end_attempt(attempt, calls.MAY_HAVE_RUN, blame=blame)
+        self._end_attempt(attempt, outcome, blame=blame)
         self.stats["errors"] += 1
         if blame:
-            call.outcome = calls.MAY_HAVE_RUN
+            call.outcome = outcome
             call.error = f"may have run: {why} (while streaming the reply; client connection closed)"
-            call.error_type = calls.MAY_HAVE_RUN
+            call.error_type = outcome
             log.warning("call %s: %s", call.msg.name, call.error)
         else:
             call.error = f"not delivered: {why} (while its reply streamed)"
@@ -815,7 +818,7 @@ class Pipeline:
             if a is not None and a.upconn is not None:
                 a.upconn.abandon()
             self.stats["timeouts"] += 1
-            self._stream_failed(a, what)
+            self._stream_failed(a, what, outcome=calls.TIMEOUT)
             return
         self.stats["timeouts"] += 1
         self._cancel_backoff(call)
@@ -957,8 +960,11 @@ class Pipeline:
                 call.outcome = call.error_type = calls.CLIENT_GONE
                 call.error = f"the client closed its connection {where}"
                 call.t_done = monotonic_ns()
-            else:
-                call.never_read = True  # answered, but an earlier reply was still due: never written
+            else:  # answered, but an earlier reply was still due: never written, so not delivered
+                call.never_read = True  # (as the listener records a reply the connection lost)
+                call.error_type = "not_delivered"
+                call.error = ("not delivered: the client closed its connection before its reply was "
+                              "written (an earlier reply was still due)")
         if a is not None and a.waiter is not None:
             a.waiter.cancel()
             a.waiter = None

@@ -414,6 +414,34 @@ def test_a_reply_stuck_unsent_when_the_client_resets_is_not_delivered():
             'service="TestService"} 1.0') in page, page
 
 
+def test_a_reply_ready_behind_an_earlier_call_when_the_client_resets_is_not_delivered():
+    """The client pipelines sleep(600) and lookup, then resets at ~300 ms: lookup's reply came
+    at once and waited its turn, never written. It is recorded not delivered (the connection
+    was gone), as a reply the connection lost is; sleep, still unanswered, as client_gone.
+    Before: lookup counted as `client_never_read`, which means a client that did not read a
+    written reply within the cap."""
+    up = ThriftServer()
+    try:
+        with Traced(_cfg(up.address), ratio=1.0) as t:
+            s = socket.create_connection(("127.0.0.1", t.port()))
+            s.sendall(request_bytes("framed", "binary", "sleep", 600, seqid=1)
+                      + request_bytes("framed", "binary", "lookup", "k", seqid=2))
+            time.sleep(0.3)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RST)
+            s.close()
+            calls = {c.attrs[spans.RPC_METHOD]: c for c in t.wait_calls(2, timeout=10.0)}
+            page = t.proxy.call(t.proxy.server.metrics.exposition).decode()
+    finally:
+        up.stop()
+    lookup, sleep = calls["lookup"], calls["sleep"]
+    assert lookup.attrs[spans.ERROR_TYPE] == "not_delivered", lookup.attrs
+    assert "before its reply was written" in lookup.server.status.description
+    assert sleep.attrs[spans.ERROR_TYPE] == "client_gone", sleep.attrs
+    assert ('thrift_sidecar_replies_not_delivered_total{method="lookup",reason="not_delivered",'
+            'service="TestService"} 1.0') in page, page
+    assert "client_never_read" not in page
+
+
 def test_a_reply_cut_by_a_write_stall_is_not_delivered():
     """A client that never reads a ~4 MB reply is closed as a write stall (request_read_timeout
     1 s): its reply is recorded as not delivered, with the stall as the reason. Before: a

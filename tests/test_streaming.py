@@ -581,7 +581,8 @@ def test_held_reply_times_out_once_the_upstream_stalls_after_its_turn():
     finally:
         up.close()
     (echo,) = [call for call in done if call.msg.name == "echo"]
-    assert echo.streamed and echo.outcome == "may_have_run" and "route timeout" in echo.error
+    assert echo.streamed and echo.outcome == "timeout" and "route timeout" in echo.error
+    assert echo.error.startswith("may have run: route timeout 600ms (while streaming the reply")
 
 
 def _held_then_ping(port: int, sleep_ms: int, echoes: int = 1, wait: float = 0.4):
@@ -1038,6 +1039,8 @@ def test_upstream_stalling_mid_stream_still_times_out(config):
     up = StallingUpstream()
     try:
         with Proxy(config(f"127.0.0.1:{up.port}", "400ms")) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
             with socket.create_connection(("127.0.0.1", p.port())) as s:
                 s.sendall(request_bytes("framed", "binary", "echo", b"", seqid=4))
                 s.settimeout(5)
@@ -1052,6 +1055,11 @@ def test_upstream_stalling_mid_stream_still_times_out(config):
             assert 200_000 <= got < 1_000_000
             assert 0.35 < took < 1.5, f"closed after {took:.2f}s"
             assert p.server.listeners["test"].pipeline.stats["timeouts"] == 1
+            # a timeout, as for a reply read whole: the outcome, the attempt's, and peak_ewma's
+            # sample of how long it took (the breaker counts it as the endpoint's failure)
+            wait_for(lambda: done, what="the call recorded")
+            (call,) = done
+            assert call.outcome == call.error_type == call.attempts[0].outcome == "timeout", call.error
     finally:
         up.close()
 
