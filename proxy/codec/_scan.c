@@ -609,6 +609,24 @@ out:
 
 /* -- the type ------------------------------------------------------------- */
 
+/* A scan of the struct at pos begins: one open struct frame, on the inline stack. */
+static void
+scanner_start(Scanner *s, int compact, Py_ssize_t pos, Py_ssize_t max_depth)
+{
+    s->compact = compact;
+    s->pos = pos;
+    s->examined = 0;
+    s->max_depth = max_depth;
+    s->pending = -1;
+    s->skip = 0;
+    s->stack = s->inline_stack;
+    s->cap = INLINE_FRAMES;
+    s->stack[0].kind = K_STRUCT;
+    s->stack[0].a = s->stack[0].b = 0;
+    s->stack[0].n = 0;
+    s->depth = 1;
+}
+
 static int
 Scanner_init(Scanner *self, PyObject *args, PyObject *kwds)
 {
@@ -620,18 +638,7 @@ Scanner_init(Scanner *self, PyObject *args, PyObject *kwds)
         return -1;
     if (self->stack != NULL && self->stack != self->inline_stack)
         PyMem_Free(self->stack);
-    self->compact = compact;
-    self->pos = pos;
-    self->examined = 0;
-    self->max_depth = max_depth;
-    self->pending = -1;
-    self->skip = 0;
-    self->stack = self->inline_stack;
-    self->cap = INLINE_FRAMES;
-    self->stack[0].kind = K_STRUCT;
-    self->stack[0].a = self->stack[0].b = 0;
-    self->stack[0].n = 0;
-    self->depth = 1;
+    scanner_start(self, compact, pos, max_depth);
     return 0;
 }
 
@@ -766,18 +773,7 @@ scan_struct_end(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Scanner s;
-    s.compact = compact;
-    s.pos = pos;
-    s.examined = 0;
-    s.max_depth = DEFAULT_MAX_DEPTH;
-    s.pending = -1;
-    s.skip = 0;
-    s.stack = s.inline_stack;
-    s.cap = INLINE_FRAMES;
-    s.stack[0].kind = K_STRUCT;
-    s.stack[0].a = s.stack[0].b = 0;
-    s.stack[0].n = 0;
-    s.depth = 1;
+    scanner_start(&s, compact, pos, DEFAULT_MAX_DEPTH);
     const uint8_t *buf = (const uint8_t *)view.buf;
     int r = compact ? scan_compact(&s, buf, end) : scan_binary(&s, buf, end);
     PyBuffer_Release(&view);
