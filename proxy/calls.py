@@ -31,6 +31,9 @@ TIMEOUT = "timeout"
 BAD_REQUEST = "bad_request"
 NO_ROUTE = "no_route"
 CLIENT_GONE = "client_gone"  # the client closed its connection before its reply
+# (not an outcome) the error_type of a call whose reply never reached its client: the connection
+# broke, or the proxy closed it, with the reply unwritten or unsent (metrics, spans)
+NOT_DELIVERED = "not_delivered"
 
 
 class Call:

@@ -32,7 +32,7 @@ from proxy.codec import AppErrorType
 from proxy.codec.message import Message
 from proxy.codec.wire import F_BUFFERED, F_FRAMED, M_CALL, M_ONEWAY
 from proxy import splice
-from proxy.calls import BAD_REQUEST, NOT_SENT, TIMEOUT, Call, Upload
+from proxy.calls import BAD_REQUEST, NOT_DELIVERED, NOT_SENT, TIMEOUT, Call, Upload
 from proxy.pipeline import PREFIX
 from proxy.sockets import sent_bytes, set_nodelay, unsent_bytes
 
@@ -511,7 +511,7 @@ class ClientConnection(asyncio.Protocol):
                 call.t_handed = call.t_handed or now
             else:  # never reached the client: recorded (and traced) as failed
                 call.never_read = True
-                call.error_type = "not_delivered"
+                call.error_type = NOT_DELIVERED
                 call.error = f"not delivered: {why}"
             call.pipeline.completed(call)
 

@@ -66,7 +66,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from proxy import spans
-from proxy.calls import BAD_REQUEST, DECLARED_EXCEPTION, MAY_HAVE_RUN, NO_ROUTE, NOT_SENT, SUCCESS
+from proxy.calls import (BAD_REQUEST, DECLARED_EXCEPTION, MAY_HAVE_RUN, NO_ROUTE, NOT_DELIVERED, NOT_SENT,
+                         SUCCESS)
 from proxy.codec.twins import load, pure_forced
 from proxy.logs import MAX_NAME
 
@@ -84,8 +85,8 @@ INVALID = "_INVALID"
 MAX_METHODS = 100
 _NOT_ADMITTED = frozenset((NO_ROUTE, BAD_REQUEST))  # what no route took counts under _OTHER
 PIECE_LINES = 256  # lines of the Prometheus page formatted between two turns of the loop (~2 ms)
-NOT_DELIVERED = "not_delivered"          # (reasons of replies_not_delivered_total; the first is
-CLIENT_NEVER_READ = "client_never_read"  # also the call's error_type, as the listener sets it)
+# reasons of replies_not_delivered_total: NOT_DELIVERED (proxy.calls: also the call's error_type) and
+CLIENT_NEVER_READ = "client_never_read"
 
 # Hop indexes into MethodStats.hops (the order of `spans.HOPS`).
 _HOP_INDEX = {name: i for i, name in enumerate(spans.HOPS)}

@@ -333,8 +333,7 @@ class Pipeline:
             if call.timer is not None:
                 call.timer.cancel()
                 call.timer = None
-            error = UpstreamError(f"{call.deadline_what} while waiting for a connection to {attempt.endpoint.label}",
-                                  written=False, timeout=True, endpoint_fault=False)
+            error = self._waited_out(attempt, call.deadline_what)
             self._drop_attempt(attempt, error.message, calls.NOT_SENT)
             self._time_out(call, error)
             return
@@ -348,9 +347,7 @@ class Pipeline:
             attempt.timer = None
             self.stats["timeouts"] += 1
             per_try = call.route.settings.retry.per_try_timeout
-            self.attempt_failed(attempt, UpstreamError(
-                f"per-try timeout {_ms(per_try)} while waiting for a connection to {attempt.endpoint.label}",
-                written=False, timeout=True, endpoint_fault=False))
+            self.attempt_failed(attempt, self._waited_out(attempt, f"per-try timeout {_ms(per_try)}"))
             return
         attempt.t_acquired = monotonic_ns()
         attempt.upconn = conn
@@ -753,7 +750,7 @@ class Pipeline:
         `blame` False: the client's connection went (it left, or the proxy cut it as a write
         stall), which says nothing about the endpoint: the call ran and its reply, as the
         upstream's head said (`call.outcome`), is recorded not delivered, as a reply read whole
-        and then not taken is (metrics.NOT_DELIVERED)."""
+        and then not taken is (calls.NOT_DELIVERED)."""
         call = attempt.call
         self._off_connection(attempt)
         attempt.error = why
@@ -766,7 +763,7 @@ class Pipeline:
             log.warning("call %s: %s", call.msg.name, call.error)
         else:
             call.error = f"not delivered: {why} (while its reply streamed)"
-            call.error_type = "not_delivered"  # (metrics.NOT_DELIVERED, as the listener sets it)
+            call.error_type = calls.NOT_DELIVERED
             log.info("call %s: %s", call.msg.name, call.error)
         self._release_call(call)
         call.conn.stream_abort(call)
@@ -857,13 +854,19 @@ class Pipeline:
         if attempt.waiter is not None:
             attempt.waiter.cancel()
             attempt.waiter = None
-            return UpstreamError(f"{what} while waiting for a connection to {attempt.endpoint.label}",
-                                 written=False, timeout=True, endpoint_fault=False)
+            return self._waited_out(attempt, what)
         conn = attempt.upconn
         if conn is not None:
             conn.abandon()
             return UpstreamError(f"{what}: no reply from {attempt.endpoint.label}", written=True, timeout=True)
         return UpstreamError(f"{what} connecting to {attempt.endpoint.label}", written=False, timeout=True)
+
+    @staticmethod
+    def _waited_out(attempt: Attempt, what: str) -> UpstreamError:
+        """`what` deadline passed before the attempt had a connection: nothing was written, and
+        it says nothing of the endpoint."""
+        return UpstreamError(f"{what} while waiting for a connection to {attempt.endpoint.label}",
+                             written=False, timeout=True, endpoint_fault=False)
 
     # 9: answer ----------------------------------------------------------------------
 
@@ -946,7 +949,7 @@ class Pipeline:
         if record and closed_by_proxy is not None:
             written = a is not None and a.upconn is not None
             call.outcome = call.outcome or (calls.MAY_HAVE_RUN if written or call.written else calls.NOT_SENT)
-            call.error_type = "not_delivered"
+            call.error_type = calls.NOT_DELIVERED
             call.error = f"not delivered: the proxy closed the client's connection: {closed_by_proxy}"
             call.t_done = call.t_done or monotonic_ns()
         elif record:
@@ -962,7 +965,7 @@ class Pipeline:
                 call.t_done = monotonic_ns()
             else:  # answered, but an earlier reply was still due: never written, so not delivered
                 call.never_read = True  # (as the listener records a reply the connection lost)
-                call.error_type = "not_delivered"
+                call.error_type = calls.NOT_DELIVERED
                 call.error = ("not delivered: the client closed its connection before its reply was "
                               "written (an earlier reply was still due)")
         if a is not None and a.waiter is not None:

@@ -10,9 +10,9 @@ socket bound before anything is swapped; a failure (a TLS file, an IDL, a port
 in use) leaves the old config serving. A listener whose address is unchanged
 keeps its socket and its connections (a rename re-keys it); a moved one keeps
 its connections on the new config, and takes over the socket of a listener that
-left its new address (`_Acceptor`), never that listener's connections. A cluster a reload replaces is retired: its
-discovery and health check stop at once, and its pools close only once no call
-is in flight on it (retries included). Connections of a listener a reload
+left its new address (`_Acceptor`), never that listener's connections. A cluster
+a reload replaces is retired: its discovery and health check stop at once, and
+its pools close only once no call is in flight on it (retries included). Connections of a listener a reload
 removed keep being served on the config they were accepted with until they
 close; drain and `/stats` count them.
 

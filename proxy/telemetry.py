@@ -93,8 +93,6 @@ class _Resource(Resource):
         return self is other or super().__eq__(other)
 
 
-
-
 def _ms(ns: int) -> float:
     return round(ns / 1e6, 3)
 

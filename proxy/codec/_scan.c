@@ -627,6 +627,26 @@ scanner_start(Scanner *s, int compact, Py_ssize_t pos, Py_ssize_t max_depth)
     s->depth = 1;
 }
 
+/* Scan obj[pos:end] (any buffer) from where `s` is: 1 = struct complete, 0 = need more bytes,
+ * -1 = error raised (ValueError naming `who` for a bad pos or end). */
+static int
+scan_buffer(Scanner *s, PyObject *obj, Py_ssize_t end, const char *who)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE) < 0)
+        return -1;
+    if (end < 0 || end > view.len || s->pos < 0) {
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_ValueError, "%s(): need 0 <= pos (%zd) and 0 <= end (%zd) <= len(buf) (%zd)",
+                     who, s->pos, end, view.len);
+        return -1;
+    }
+    const uint8_t *buf = (const uint8_t *)view.buf;
+    int r = s->compact ? scan_compact(s, buf, end) : scan_binary(s, buf, end);
+    PyBuffer_Release(&view);
+    return r;
+}
+
 static int
 Scanner_init(Scanner *self, PyObject *args, PyObject *kwds)
 {
@@ -666,18 +686,7 @@ Scanner_advance(Scanner *self, PyObject *const *args, Py_ssize_t nargs)
     }
     if (self->depth == 0)  /* already complete */
         Py_RETURN_TRUE;
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
-        return NULL;
-    if (end < 0 || end > view.len || self->pos < 0) {
-        PyBuffer_Release(&view);
-        PyErr_Format(PyExc_ValueError, "advance(): need 0 <= pos (%zd) and 0 <= end (%zd) <= len(buf) (%zd)",
-                     self->pos, end, view.len);
-        return NULL;
-    }
-    const uint8_t *buf = (const uint8_t *)view.buf;
-    int r = self->compact ? scan_compact(self, buf, end) : scan_binary(self, buf, end);
-    PyBuffer_Release(&view);
+    int r = scan_buffer(self, args[0], end, "advance");
     if (r < 0)
         return NULL;
     return PyBool_FromLong(r);
@@ -763,20 +772,9 @@ scan_struct_end(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int compact = PyObject_IsTrue(args[3]);
     if (compact < 0)
         return NULL;
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
-        return NULL;
-    if (pos < 0 || end < 0 || end > view.len) {
-        PyBuffer_Release(&view);
-        PyErr_Format(PyExc_ValueError, "struct_end(): need 0 <= pos (%zd) and 0 <= end (%zd) <= len(buf) (%zd)",
-                     pos, end, view.len);
-        return NULL;
-    }
     Scanner s;
     scanner_start(&s, compact, pos, DEFAULT_MAX_DEPTH);
-    const uint8_t *buf = (const uint8_t *)view.buf;
-    int r = compact ? scan_compact(&s, buf, end) : scan_binary(&s, buf, end);
-    PyBuffer_Release(&view);
+    int r = scan_buffer(&s, args[0], end, "struct_end");
     if (s.stack != s.inline_stack)
         PyMem_Free(s.stack);
     if (r < 0)
