@@ -115,14 +115,15 @@ class Upload:
 
     The listener reads it: `received` bytes so far, `done` once its last byte came, `total` its
     whole size (a frame's is known from its length; an unframed request's only at its end, which
-    `tail`, a `proxy.codec.stream.UnframedStream`, finds). The pipeline writes each piece onto the
+    `tail`, a `proxy.codec.stream.UnframedStream`, finds; a frame's struct is checked by `check`,
+    a `proxy.codec.stream.FrameBody`, each read before it goes on). The pipeline writes each piece onto the
     attempt's connection, or holds the pieces while the attempt waits for one. `paused`: the
     client's reading is held back for this upload (too much held, or the upstream connection is
     not taking bytes); `held_ns` sums those times (the spans' `sidecar.upload_held_ms`: how much
     of `read_request` was the upstream side's doing).
     """
 
-    __slots__ = ("client", "call", "total", "received", "done", "tail", "held", "held_size", "paused",
+    __slots__ = ("client", "call", "total", "received", "done", "tail", "check", "held", "held_size", "paused",
                  "timeout", "held_ns", "_held_at", "splice")
 
     def __init__(self, client, total: int | None, held: list, tail=None) -> None:
@@ -130,6 +131,7 @@ class Upload:
         self.call: Call | None = None       # set by the pipeline; cleared once the listener is done
         self.total = total                  # the whole request (a frame's length prefix included)
         self.tail = tail                    # finds an unframed request's end (total None till then)
+        self.check = None                   # a framed request's struct check (codec.stream.FrameBody)
         self.held = held                    # pieces not written yet (no connection yet)
         self.held_size = sum(map(len, held))
         self.received = self.held_size

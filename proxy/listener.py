@@ -280,6 +280,14 @@ class ClientConnection(asyncio.Protocol):
         self._upload_at = UNDECIDED
         if total is not None:
             up = Upload(self, total, dec.detach_frame())
+            check = up.check = dec.frame_body(msg, total)
+            if check is not None:
+                try:
+                    for part in up.held:
+                        check.feed(part)
+                except ProtocolError as e:  # (nothing of it went upstream)
+                    self._protocol_error(e.with_head(Head(msg.name, msg.type, msg.seqid, msg.framing, msg.protocol)))
+                    return
         else:
             buf, tail = dec.detach_unframed()
             up = Upload(self, None, [buf], tail)
@@ -295,6 +303,12 @@ class ClientConnection(asyncio.Protocol):
         if tail is None:
             left = up.total - up.received  # bytes of it still to come
             last = n >= left
+            if up.check is not None:
+                try:  # (before the bytes go upstream: a frame hiding a second message never does whole)
+                    up.check.feed(data if n <= left else memoryview(data)[:left])
+                except ProtocolError as e:
+                    self._upload_garbage(e)
+                    return None
         else:
             try:
                 left = tail.feed(data)  # the bytes of it in this read (all, until its end)
@@ -321,7 +335,14 @@ class ClientConnection(asyncio.Protocol):
 
     def _splice_upload(self, up: Upload) -> None:
         """The rest of a framed request goes client socket → upstream socket by splice(2)
-        (proxy.splice) once its connection is writing it and that transport holds nothing."""
+        (proxy.splice) once its connection is writing it and that transport holds nothing.
+        Checked (`up.check`), only the inside of the long value it is in goes so (`opaque`):
+        then its transport reads the rest again, and the check goes on there."""
+        count = up.total - up.received
+        if up.check is not None:
+            count = min(count, up.check.opaque)
+            if count < splice.SPLICE_MIN:
+                return
         a = up.call.attempt
         conn = a.upconn if a is not None else None
         if (conn is None or conn.upload is not up or conn.closed or not conn.spliceable or up.paused
@@ -331,7 +352,7 @@ class ClientConnection(asyncio.Protocol):
         if sock is None:
             return
         try:
-            sp = splice.Splice(self.state.loop, self, conn, self.fd, sock.fileno(), up.total - up.received)
+            sp = splice.Splice(self.state.loop, self, conn, self.fd, sock.fileno(), count)
         except OSError:
             conn.pool.stats["splice_failures"] += 1
             return
@@ -345,14 +366,21 @@ class ClientConnection(asyncio.Protocol):
     # a splice's source (the rest of a streaming request)
 
     def splice_read(self, n: int) -> None:
-        self.upload.received += n
+        up = self.upload
+        up.received += n
+        if up.check is not None:
+            up.check.pass_over(n)
         if self._idle_timer is not None:  # (the transport, which would say so, reads nothing now)
             self._last_active = monotonic_ns()
 
     def splice_done(self) -> None:
-        """The spliced request's last byte is upstream: as when its last read came."""
+        """The spliced request's last byte is upstream: as when its last read came. (Or the
+        long value spliced has ended: the transport reads, and the check sees, the rest.)"""
         up = self.upload
         up.splice = None
+        if up.received < up.total:
+            self._maybe_resume()
+            return
         call = up.call
         self.upload = None
         up.call = None
@@ -392,8 +420,9 @@ class ClientConnection(asyncio.Protocol):
             self._maybe_resume()
 
     def _upload_garbage(self, e: ProtocolError) -> None:
-        """An unframed request that turned out malformed mid-stream (where the next request
-        would begin cannot be known)."""
+        """A streaming request that turned out malformed mid-stream (unframed: where the next
+        request would begin cannot be known; framed: its struct does not fill its frame). Its
+        upstream connection, holding part of it, is closed: the upstream never has it whole."""
         self.state.stats["protocol_errors"] += 1
         log.info("client %s on listener %s: %s", self.peer, self.settings.name, e.message)
         self._upload_broken(e.message)

@@ -237,3 +237,110 @@ def test_detach_only_while_a_message_is_scanned():
     d = Decoder(Framing.BUFFERED, B)
     with pytest.raises(RuntimeError):
         d.detach_unframed()
+
+
+# -- FrameBody: a framed request's struct checked as it streams upstream -----------------------
+
+
+def framed_whole(frame: bytes, protocol: Protocol, scanner) -> tuple:
+    """The listener's decoder with the whole frame: ("ok",) or ("error", text)."""
+    d = Decoder(Framing.FRAMED, protocol, 16_384_000, scanner, whole_body=True)
+    d.feed(frame)
+    try:
+        m = d.next_message()
+    except ProtocolError as e:
+        return ("error", e.message)
+    assert m is not None
+    return ("ok",)
+
+
+def framed_streamed(frame: bytes, protocol: Protocol, scanner, rnd, cut: int):
+    """The listener's way with a frame that streams: the decoder reads `cut` bytes, hands the
+    frame over (`detach_frame`, `frame_body`); the check sees the rest in random reads, some
+    passed over unseen (as a splice moves the inside of a long string). None: no head yet."""
+    d = Decoder(Framing.FRAMED, protocol, 16_384_000, scanner, whole_body=True)
+    d.feed(frame[:cut])
+    pending = d.pending_frame()
+    if pending is None:
+        return None
+    msg, total = pending
+    assert total == len(frame)
+    held = d.detach_frame()
+    assert b"".join(held) == frame[:cut]
+    check = d.frame_body(msg, total)
+    rest = frame[cut:]
+    try:
+        for part in held:
+            check.feed(part)
+        i = 0
+        while i < len(rest):
+            if check.opaque and rnd.random() < 0.5:
+                assert check.opaque <= len(rest) - i, "opaque past the frame's end"
+                n = rnd.randint(1, check.opaque)
+                check.pass_over(n)
+            else:
+                n = rnd.randint(1, len(rest) - i)
+                check.feed(rest[i:i + n])
+            i += n
+    except ProtocolError as e:
+        return ("error", e.message)
+    return ("ok",)
+
+
+@st.composite
+def framed_message(draw, protocol, rnd):
+    """A fixture call, maybe with a second message or garbage after its struct, maybe mangled,
+    in one frame of its own length."""
+    pool = [cf.fixtures(cf.Wire(Framing.BUFFERED, protocol))[k].data for k in cf.SMALL_KEYS]
+    body = draw(st.sampled_from(pool)) + draw(st.sampled_from([b"", b"", b"\x00", pool[0]]))
+    if draw(st.booleans()):
+        body = mangle(body, rnd)
+    return struct.pack("!i", len(body)) + body
+
+
+@pytest.mark.parametrize("scanner", SCANNERS, ids=SCANNER_IDS)
+@pytest.mark.parametrize("protocol", [B, C], ids=["binary", "compact"])
+@SETTINGS
+@given(data=st.data(), rnd=st.randoms(use_true_random=False))
+def test_a_streamed_frames_check_agrees_with_the_whole_frames(scanner, protocol, data, rnd):
+    """Whatever the reads and what a splice passes over, a frame checked as it streams is
+    refused exactly when, and with the text with which, the listener refuses it whole."""
+    frame = data.draw(framed_message(protocol, rnd))
+    if len(frame) < 6:
+        return
+    expected = framed_whole(frame, protocol, scanner)
+    compared = 0
+    for cut in sorted({rnd.randint(1, len(frame) - 1) for _ in range(6)}):
+        got = framed_streamed(frame, protocol, scanner, rnd, cut)
+        if got is not None:
+            assert got == expected, (cut, frame.hex())
+            compared += 1
+    if expected == ("ok",):
+        got = framed_streamed(frame, protocol, scanner, rnd, len(frame) - 1)
+        assert got == expected
+
+
+def test_a_second_message_in_a_streamed_frame_is_found_in_the_read_that_brings_it():
+    """The check raises on the read holding the struct's STOP when the frame goes on, before
+    that read goes on; a string claimed past the frame's end, on the read holding its length."""
+    head = struct.pack("!Ii", 0x80010001, 4) + b"echo" + struct.pack("!i", 9)
+    call = head + b"\x0b\x00\x01" + struct.pack("!i", 100_000) + b"x" * 100_000 + b"\x00"
+    second = cf.fixtures(cf.Wire(Framing.BUFFERED, B))[cf.SMALL_KEYS[0]].data
+    frame = struct.pack("!i", len(call) + len(second)) + call + second
+    d = Decoder(Framing.FRAMED, B, 16_384_000, whole_body=True)
+    d.feed(frame[:200])
+    msg, total = d.pending_frame()
+    check = d.frame_body(msg, total)
+    for part in d.detach_frame():
+        check.feed(part)
+    check.feed(frame[200:3 + len(call)])  # all but the struct's STOP: fine so far
+    with pytest.raises(ProtocolError, match=rf"{len(second)} byte\(s\) after the message inside its frame"):
+        check.feed(frame[3 + len(call):4 + len(call)])  # its STOP, with the frame not at its end
+    lying = head + b"\x0b\x00\x01" + struct.pack("!i", 10_000_000) + b"x" * 1000
+    d = Decoder(Framing.FRAMED, B, 16_384_000, whole_body=True)
+    d.feed(struct.pack("!i", len(lying) + 5000) + lying)
+    msg, total = d.pending_frame()
+    check = d.frame_body(msg, total)
+    with pytest.raises(ProtocolError, match="struct goes on past the end of its frame"):
+        for part in d.detach_frame():
+            check.feed(part)

@@ -472,3 +472,69 @@ def test_a_client_reset_inside_a_request_cancels_its_call_spliced_or_not(spliced
         up.close()
     assert [(c.outcome, c.error) for c in done if not c.cancelled] == []
     assert errors == 0
+
+
+def _smuggling(size: int, seqid: int) -> bytes:
+    """A framed `echo` (one string of `size` bytes) whose frame also holds, after its args
+    struct, a whole second call: Apache Thrift's framed transport would read it as the next
+    call on that connection and run it, and its reply would answer another client's call."""
+    first = request_bytes("buffered", "binary", "echo", os.urandom(size), seqid=seqid)
+    hidden = request_bytes("buffered", "binary", "echo", b"smuggled", seqid=seqid + 1)
+    return struct.pack("!i", len(first) + len(hidden)) + first + hidden
+
+
+@pytest.mark.parametrize("spliced", [False, True], ids=["read", "spliced"])
+def test_a_streamed_frame_hiding_a_second_message_never_reaches_the_upstream_whole(spliced):
+    """A framed request that streams upstream is checked read by read before each goes on, as a
+    frame read whole is: a struct that ends before its frame does is refused with the client's
+    seqid, and the upstream connection holding the first part is closed, so the upstream never
+    has the frame whole and runs nothing. Spliced, only the inside of the long string goes by
+    splice; the bytes after it are read and checked. Before, such a request went upstream as it
+    came (only requests read whole were checked)."""
+    up = RecordingUpstream()
+    bad = _smuggling(6_000_000, seqid=71)
+    try:
+        with Proxy(_config(up.address)) as p:
+            p.call(lambda: setattr(splice, "available", spliced))
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(bad[:3_000_000])
+                wait_for(lambda: up.received >= 2_500_000, 5, "the first part upstream")
+                s.sendall(bad[3_000_000:])
+                (err,) = read_messages(s, 1, "framed", "binary")
+                s.settimeout(5)
+                assert s.recv(1) == b""  # then closed (what follows a broken request is unknown)
+            assert up.closed_by_peer.wait(5), "the upstream connection holding part of the frame stayed open"
+            stats = _stats(p)
+            ok = request_bytes("framed", "binary", "echo", b"fine", seqid=73)
+            with socket.create_connection(("127.0.0.1", p.port())) as s:  # the proxy serves on
+                s.sendall(ok)
+                (reply,) = read_messages(s, 1, "framed", "binary")
+    finally:
+        splice.available = True
+        up.close()
+    kind, text = _exception(err)
+    assert err.seqid == 71 and kind == AppErrorType.PROTOCOL_ERROR, (err, text)
+    assert "byte(s) after the message inside its frame (a second message in one frame?)" in text, text
+    assert up.received < len(bad) and up.requests == [ok], "the upstream had the frame whole"
+    assert reply.seqid == 73 and _reply_text(reply) == hashlib.sha256(ok).hexdigest().encode()
+    assert stats["spliced_requests"] == int(spliced), stats
+    if spliced:
+        assert stats["spliced_bytes"] >= 2_000_000, stats
+
+
+def test_a_streamed_frame_whose_string_cannot_fit_it_is_refused_before_anything_goes_upstream():
+    """A string whose length runs past its frame's end is refused on the read that brings the
+    length: with its seqid, nothing of it upstream."""
+    up = RecordingUpstream()
+    head = struct.pack("!Ii", 0x80010001, 4) + b"echo" + struct.pack("!i", 72)
+    body = head + b"\x0b\x00\x01" + struct.pack("!i", 10_000_000) + os.urandom(3_000_000)
+    try:
+        with Proxy(_config(up.address)) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(struct.pack("!i", len(body) + 1) + body[:2_000_000])
+                (err,) = read_messages(s, 1, "framed", "binary")
+    finally:
+        up.close()
+    kind, text = _exception(err)
+    assert err.seqid == 72 and "the message's struct goes on past the end of its frame" in text, text
+    assert up.received == 0 and up.connections == 0

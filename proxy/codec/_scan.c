@@ -693,6 +693,21 @@ Scanner_advance(Scanner *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *
+Scanner_pass_over(Scanner *self, PyObject *arg)
+{
+    long long n = PyLong_AsLongLong(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (n < 0 || n > self->skip) {
+        PyErr_Format(PyExc_ValueError, "pass_over(%lld): only %lld byte(s) of a value are left to skip",
+                     n, (long long)self->skip);
+        return NULL;
+    }
+    self->skip -= n;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
 Scanner_get_reach(Scanner *self, void *closure)
 {
     return PyLong_FromLongLong((long long)self->pos + (long long)self->skip);
@@ -720,6 +735,9 @@ static PyMethodDef Scanner_methods[] = {
     {"advance", (PyCFunction)(void (*)(void))Scanner_advance, METH_FASTCALL,
      "advance(buf, end) -> bool\n\nScan buf[pos:end]. True when the struct is complete "
      "(pos is then just past its STOP byte); False = need more bytes."},
+    {"pass_over", (PyCFunction)Scanner_pass_over, METH_O,
+     "pass_over(n)\n\nCount n bytes of the value being skipped as passed, unseen (they went on "
+     "another way: a splice); n <= reach - pos, else ValueError."},
     {"_state", (PyCFunction)Scanner_state, METH_NOARGS,
      "(pending, skip, frames): the resumable state, for tests comparing with the pure scanner."},
     {NULL, NULL, 0, NULL},

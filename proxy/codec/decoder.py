@@ -43,7 +43,7 @@ from proxy.codec.errors import Head, ProtocolError
 from proxy.codec.heads import MAX_NAME_LENGTH, peek_result_field, read_head
 from proxy.codec.message import Message, take_framed
 from proxy.codec.scan import StructScanner, struct_end
-from proxy.codec.stream import UnframedStream
+from proxy.codec.stream import FrameBody, UnframedStream
 from proxy.codec.theader import INFLATE_PREFIX, inflate, parse_header_block
 from proxy.codec.wire import (
     COMPACT_PROTOCOL_ID,
@@ -253,6 +253,13 @@ class Decoder:
         self._scanner = None
         return buf, UnframedStream(scanner, buf, self.max_frame_size)
 
+    def frame_body(self, head: Message, total: int) -> FrameBody | None:
+        """For a frame `detach_frame` handed over (`head`, `total` from `pending_frame`): the check
+        of its struct as the rest passes, what a whole frame gets here (`whole_body`), else None."""
+        if not self.whole_body:
+            return None
+        return FrameBody(self._scanner_factory, head.protocol is Protocol.COMPACT, head.body, total)
+
     def pending_size(self) -> int | None:
         """The whole size of a plain framed message still arriving, from its length prefix
         (None: not framed, nothing held, or the prefix not here yet). Cheap; changes nothing."""
@@ -269,7 +276,7 @@ class Decoder:
         """(head, whole size) of a plain framed message still arriving, once its head is here.
 
         The Message carries the head only: its `data` is empty (the bytes stay here until
-        `detach_frame`). None when no incomplete plain framed message is held or its head is
+        `detach_frame`) and its `body` is the struct's offset in the frame. None when no incomplete plain framed message is held or its head is
         not here yet (or is unreadable: then it is read whole and refused as usual).
         Changes nothing.
         """
@@ -311,8 +318,8 @@ class Decoder:
                 have = self._parts_have
                 self._head_retry = have + min(have, 4096)
             return None
-        name, mtype, seqid, _ = r
-        return Message(name, mtype, seqid, F_FRAMED, protocol, b"", 0, None, b"", 0), total
+        name, mtype, seqid, body = r
+        return Message(name, mtype, seqid, F_FRAMED, protocol, b"", 0, None, b"", body - off), total
 
     def detach_frame(self) -> list[bytes]:
         """Hand over the incomplete framed message `pending_frame()` described: its bytes so

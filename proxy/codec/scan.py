@@ -13,7 +13,7 @@ and varints (a few bytes) are ever re-read after a short read. `examined`
 counts every byte looked at, re-reads included (tests bound it).
 
 Two implementations of one interface: `cls(compact, pos=0, max_depth=64)`,
-`advance(buf, end) -> bool`, `pos`, `reach` and `examined`.
+`advance(buf, end) -> bool`, `pass_over(n)`, `pos`, `reach` and `examined`.
 
     PureStructScanner      this module's pure-Python scanner (the reference, always there)
     CompiledStructScanner  proxy/codec/_scan.c (built by `pip install`), or None if it
@@ -76,6 +76,13 @@ class PureStructScanner:
         The decoder refuses a message as too long as soon as this passes its limit.
         """
         return self.pos + self._skip
+
+    def pass_over(self, n: int) -> None:
+        """Count `n` bytes of the value being skipped as passed, unseen (they went on another
+        way: a splice moved them); `n` <= reach - pos, else ValueError. `pos` stays."""
+        if n < 0 or n > self._skip:
+            raise ValueError(f"pass_over({n}): only {self._skip} byte(s) of a value are left to skip")
+        self._skip -= n
 
     def advance(self, buf, end: int) -> bool:
         """Scan buf[pos:end]. True when the struct is complete; False = need more bytes."""

@@ -17,6 +17,15 @@ decoder's rule (tests/test_codec_stream.py checks both against the decoder).
     done                      the end was found (feed it nothing more)
     size                      bytes of the message so far (its whole length once done)
     buffered                  bytes kept between reads (a cut token, at most ~16)
+    opaque                    bytes just ahead that lie inside a value being skipped
+    pass_over(n)              n of those went on unseen (a splice moved them)
+
+`FrameBody` is the framed twin for a request that streams upstream: the listener checks
+every framed request's struct to end exactly at its frame's end (`Decoder(whole_body=True)`,
+no second message hidden in a frame), and a request passed on as it arrives is checked the
+same way, each read before it goes upstream, so a frame that hides a second message never
+reaches the upstream whole. Bytes a splice moves (proxy.splice) are never seen: only the
+inside of one long value (`opaque`) is spliced, and the scan passes over it.
 """
 
 from __future__ import annotations
@@ -31,10 +40,12 @@ _BRIDGE = 64
 class UnframedStream:
     """The rest of one unframed message: `feed` chunks, forward the bytes it says are the message's."""
 
-    __slots__ = ("_scanner", "_carry", "_at", "max_size", "done", "size", "examined")
+    __slots__ = ("_scanner", "_carry", "_at", "max_size", "done", "size", "examined", "_too_long")
 
-    def __init__(self, scanner, seen, max_size: int) -> None:
-        """`scanner` is mid-struct at `scanner.pos` in `seen`, the message's bytes so far."""
+    def __init__(self, scanner, seen, max_size: int, too_long: str = "") -> None:
+        """`scanner` is mid-struct at `scanner.pos` in `seen`, the message's bytes so far.
+        `too_long`: the ProtocolError's text when the message would pass `max_size` (default:
+        the decoder's, naming max_frame_size)."""
         pos = scanner.pos
         self._scanner = scanner
         self._carry = bytes(seen[pos:]) if pos < len(seen) else b""  # a cut token, re-read next
@@ -43,6 +54,7 @@ class UnframedStream:
         self.done = False
         self.size = len(seen)
         self.examined = 0
+        self._too_long = too_long or f"bad request: message exceeds max_frame_size {max_size}"
         scanner.pos = 0
 
     @property
@@ -102,11 +114,73 @@ class UnframedStream:
         if not done and (end >= limit or scanner.reach > limit):
             # The decoder's rule: nothing past the limit is looked at, and a message that has
             # not ended by then (or whose string is sure to go past it) is refused.
-            raise ProtocolError(f"bad request: message exceeds max_frame_size {self.max_size}")
+            raise ProtocolError(self._too_long)
         return done
+
+    @property
+    def opaque(self) -> int:
+        """How many of the next bytes are inside a value being skipped (a string's): the scan
+        need not see them (0 while a cut token waits for its end)."""
+        return 0 if self._carry or self.done else self._scanner.reach
+
+    def pass_over(self, n: int) -> None:
+        """`n` (<= `opaque`) of the next bytes went on unseen: the scan goes on after them."""
+        self._scanner.pass_over(n)
+        self._at += n
+        self.size += n
 
     def _ended(self, used: int) -> int:
         """The message ended `used` bytes into the chunk."""
         self.done = True
         self.size += used
         return used
+
+
+class FrameBody:
+    """The struct of a framed request passed on as it arrives: it must end exactly at its
+    frame's end. `feed` each read's bytes of the frame before they go on; ProtocolError (the
+    decoder's texts for a whole frame) says they must not."""
+
+    __slots__ = ("_before", "_left", "_stream")
+
+    def __init__(self, scanner_factory, compact: bool, body: int, total: int) -> None:
+        """`body`: the struct's offset in the frame (past its length prefix and message head);
+        `total`: the frame's size, its length prefix included."""
+        self._before = body       # bytes before the struct still to come
+        self._left = total - body  # bytes of the frame after the struct's start still to come
+        self._stream = UnframedStream(
+            scanner_factory(compact), b"", total - body,
+            "bad request: the message's struct goes on past the end of its frame")
+
+    def feed(self, chunk) -> None:
+        """Check the frame's next bytes (none past its end)."""
+        n = len(chunk)
+        before = self._before
+        if before:
+            if n <= before:
+                self._before = before - n
+                return
+            chunk = memoryview(chunk)[before:]
+            n -= before
+            self._before = 0
+        self._left -= n
+        stream = self._stream
+        used = stream.feed(chunk)
+        if stream.done:
+            if used < n or self._left:
+                raise ProtocolError(f"bad request: {n - used + self._left} byte(s) after the message inside "
+                                    "its frame (a second message in one frame?)")
+        elif not self._left:
+            raise ProtocolError("bad request: the message's struct goes on past the end of its frame")
+
+    @property
+    def opaque(self) -> int:
+        """How many of the frame's next bytes may pass unseen (inside one value: a string). Never
+        its last byte: the struct's end is checked on bytes seen (a string running to the frame's
+        end leaves no room for its struct's STOP)."""
+        return 0 if self._before else min(self._stream.opaque, self._left - 1)
+
+    def pass_over(self, n: int) -> None:
+        """`n` (<= `opaque`) of the frame's next bytes went on unseen (a splice moved them)."""
+        self._stream.pass_over(n)
+        self._left -= n
