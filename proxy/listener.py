@@ -82,7 +82,7 @@ class ClientConnection(asyncio.Protocol):
                  "closing", "paused_reading", "paused_writing", "_read_timer", "_idle_timer",
                  "_last_active", "_linger", "fd", "bytes_out", "_unacked", "_ack_poll", "_ack_delay",
                  "stream_call", "stream_up", "_waiting", "_waiting_bytes", "_paused_at", "_framing", "_eof", "_stall_timer",
-                 "_stall_mark", "_stall_seen", "upload", "_upload_at", "_upload_held", "_closed_why",
+                 "_stall_mark", "_stall_seen", "upload", "_upload_at", "_upload_by", "_upload_held", "_closed_why",
                  "_held_since")
 
     def __init__(self, state: ListenerState) -> None:
@@ -120,6 +120,7 @@ class ClientConnection(asyncio.Protocol):
         self._closed_why: str | None = None    # why the proxy itself closed it (else: the client did)
         self.upload: Upload | None = None      # a large request passing upstream as it arrives
         self._upload_at = UNDECIDED            # bytes past which the request arriving streams
+        self._upload_by = None                 # the pipeline (config) that decided _upload_at
         self._upload_held = False              # reading paused for the upload (calls.Upload.paused)
         self._held_since = 0                   # requests held back at max_inflight arrived by then
 
@@ -226,6 +227,7 @@ class ClientConnection(asyncio.Protocol):
                     self._maybe_upload(dec, pipeline, now)
                 break
             self._upload_at = UNDECIDED
+            self._upload_by = None
             t_start = self.t_first
             t_framed = now
             admitted = 0
@@ -247,6 +249,9 @@ class ClientConnection(asyncio.Protocol):
         """A request still arriving, its head here: pass it upstream as it arrives once it is
         over `Pipeline.upload_threshold` (a frame's size is known at once; an unframed one's
         only grows), else leave it to be read whole."""
+        if self._upload_by is not pipeline:  # (a reload since it was decided: the new config's route decides)
+            self._upload_by = pipeline
+            self._upload_at = UNDECIDED
         if dec.framing is F_FRAMED:
             size = dec.pending_size()
             if size is not None and size <= pipeline.upload_min:
@@ -278,6 +283,7 @@ class ClientConnection(asyncio.Protocol):
                 self._upload_at = NEVER  # a frame's size does not grow: read it whole
             return
         self._upload_at = UNDECIDED
+        self._upload_by = None
         if total is not None:
             up = Upload(self, total, dec.detach_frame())
             check = up.check = dec.frame_body(msg, total)

@@ -617,3 +617,46 @@ def test_connections_keep_the_listener_settings_they_were_accepted_under():
             assert _snapshot(p)["listeners"]["test"].get("idle_closed", 0) == 0
     finally:
         up.stop()
+
+
+def test_a_reload_while_an_unframed_request_arrives_lets_the_new_route_decide_how_it_goes():
+    """A buffered `echo` arriving over a reload that sends echo to a framed cluster (which the
+    proxy must re-frame, so reads it whole): the new route decides. Before, the threshold worked
+    out under the old route (stream past 4 MiB) held, and the new pipeline streamed the client's
+    unframed bytes to the framed upstream: the call was lost, and the client told "may have run"."""
+    from harness import read_messages, request_bytes
+    buf, fr = ThriftServer(framing="buffered", name="BUF"), ThriftServer(framing="framed", name="FR")
+    (port,) = free_ports(1)
+
+    def cfg(echo_cluster: str) -> str:
+        return f"""
+listeners:
+  - name: t
+    listen: 127.0.0.1:{port}
+    transport: buffered
+    protocol: binary
+    routes:
+      - {{match: {{method: echo}}, cluster: {echo_cluster}, retry_buffer: 4MiB}}
+      - {{cluster: buf, retry_buffer: 64KiB}}
+clusters:
+  - name: buf
+    endpoints: [{buf.address}]
+  - name: fr
+    endpoints: [{fr.address}]
+    transport: framed
+"""
+    req = request_bytes("buffered", "binary", "echo", b"z" * 6_000_000, seqid=7)
+    try:
+        with Proxy(cfg("buf")) as p:
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(req[:200_000])
+                wait_for(lambda: p.call(lambda: any(c._upload_at > 0 for c in p.server.listeners["t"].connections)),
+                         5, "the old route's threshold decided")
+                assert _apply(p, cfg("fr"))
+                s.sendall(req[200_000:])
+                (reply,) = read_messages(s, 1, "buffered", "binary", timeout=15)
+    finally:
+        buf.stop()
+        fr.stop()
+    assert reply.seqid == 7 and reply.type == 2, reply  # a REPLY, not "may have run"
+    assert (buf.handler.calls, fr.handler.calls) == (0, 1)
