@@ -28,6 +28,7 @@ HALF_OPEN admits at most `half_open_probes` concurrent probes.
 Contract with the data path, per attempt on this endpoint:
 
     allows()      may the balancer pick it? (reserves nothing; may move OPEN → HALF_OPEN)
+    (`seen_state()` and `would_allow()` say the same as of now and change nothing: for /stats)
     on_pick()     the call is being sent here (in HALF_OPEN this takes a probe slot)
     then exactly one of
     record(ok, probe)  the attempt ended and its outcome says something about the endpoint
@@ -111,6 +112,22 @@ class Breaker:
                 return False
             self._go(HALF_OPEN, f"open time {format_duration(self.open_time)} elapsed")
         return self.probes < self.settings.half_open_probes
+
+    def seen_state(self) -> State:
+        """The state a pick would find now, changing nothing (for /stats: looking is not a pick).
+        OPEN past its open time reads HALF_OPEN; the next pick makes it so."""
+        if self.state is OPEN and self.clock() >= self.open_until:
+            return HALF_OPEN
+        return self.state
+
+    def would_allow(self) -> bool:
+        """`allows()` as of now, changing nothing."""
+        state = self.seen_state()
+        if state is CLOSED:
+            return True
+        if state is OPEN:
+            return False
+        return (0 if self.state is OPEN else self.probes) < self.settings.half_open_probes
 
     def on_pick(self) -> int:
         """A call is sent here. Returns its probe token: the HALF_OPEN period whose probe slot
@@ -206,7 +223,7 @@ class Breaker:
 
     def snapshot(self) -> dict:
         calls_, failures = self.window.totals()
-        return {"state": self.state.value, "opened_count": self.opened_count,
+        return {"state": self.seen_state().value, "opened_count": self.opened_count,
                 "opened_total": self.opened_total,
                 "open_for_s": round(max(0.0, self.open_until - self.clock()), 3)
                 if self.state is OPEN else 0.0,

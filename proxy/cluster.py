@@ -227,14 +227,17 @@ class Cluster:
         return eps if panic else healthy
 
     def snapshot(self) -> dict:
-        if self.endpoints:
-            self._usable(self.endpoints)  # (panicking as of now, not as of the last pick)
+        """What /stats shows, as of now and changing nothing: looking is not a pick (no breaker
+        goes half-open, no panic is entered or left, nothing logged, because it was looked at)."""
+        eps = self.endpoints
+        out = sum(1 for ep in eps if not ep.healthy or (ep.breaker is not None and not ep.breaker.would_allow()))
         return {
-            "name": self.name, "panicking": self.panicking, **self.stats,
+            "name": self.name, "panicking": out > 0 and panicking(out, len(eps), self.max_open_percent),
+            **self.stats,
             "discovery": self.discovery.snapshot() if self.discovery is not None else {"kind": "static"},
             "endpoints": [
                 {"address": ep.label, "weight": ep.weight, "outstanding": ep.outstanding,
-                 "breaker": ep.breaker.state_name if ep.breaker is not None else "none",
+                 "breaker": ep.breaker.seen_state().value if ep.breaker is not None else "none",
                  "pools": [p.snapshot() for p in ep.pools.values()]}
                 for ep in self.endpoints],
         }

@@ -226,3 +226,35 @@ def test_cluster_panics_when_too_many_are_open():
 def test_cluster_without_endpoints_picks_none():
     c = make_cluster([])
     assert c.pick() is None and c.stats["no_endpoint"] == 1
+
+
+def test_looking_at_a_cluster_changes_no_breaker_and_no_panic(caplog):
+    """/stats (Cluster.snapshot) shows what a pick would find now, without being a pick: an
+    open breaker past its open time reads half_open but stays OPEN until a pick comes (no
+    transition, no log line, no reset probe count), and panic is shown, not entered. Before,
+    a scrape moved breakers to HALF_OPEN and entered panic, so whether a late call's result
+    closed an ejected endpoint depended on someone having looked."""
+    from proxy import config
+    from proxy.breaker import HALF_OPEN, Breaker
+    clock = ManualClock()
+    moves = []
+    eps = endpoints([1, 1, 1, 1])
+    for ep in eps:
+        ep.breaker = Breaker(config.CircuitBreaker(consecutive_failures=1, open_for=1.0), clock,
+                             lambda old, new, why: moves.append((old, new)))
+    c = make_cluster(eps)
+    for ep in eps[:3]:
+        ep.breaker.record(False, ep.breaker.on_pick())
+    assert [m[1] for m in moves] == [OPEN] * 3
+    caplog.clear()
+    snap = c.snapshot()
+    assert snap["panicking"] and not c.panicking, "panic shown, not entered"
+    assert [e["breaker"] for e in snap["endpoints"]] == ["open"] * 3 + ["closed"]
+    clock.advance(1.5)
+    snap = c.snapshot()
+    assert [e["breaker"] for e in snap["endpoints"]] == ["half_open"] * 3 + ["closed"]
+    assert not snap["panicking"]  # (three probes may go: none is out)
+    assert all(ep.breaker.state is OPEN for ep in eps[:3]) and len(moves) == 3
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    c.pick()  # a pick is what moves them
+    assert all(ep.breaker.state is HALF_OPEN for ep in eps[:3]) and len(moves) == 6
