@@ -292,7 +292,7 @@ class ClientConnection(asyncio.Protocol):
                     for part in up.held:
                         check.feed(part)
                 except ProtocolError as e:  # (nothing of it went upstream)
-                    self._protocol_error(e.with_head(Head(msg.name, msg.type, msg.seqid, msg.framing, msg.protocol)))
+                    self._protocol_error(e.with_head(msg.head))
                     return
         else:
             buf, tail = dec.detach_unframed()

@@ -43,7 +43,7 @@ from proxy.codec.errors import Head, ProtocolError
 from proxy.codec.heads import MAX_NAME_LENGTH, peek_result_field, read_head
 from proxy.codec.message import Message, take_framed
 from proxy.codec.scan import StructScanner, struct_end
-from proxy.codec.stream import FrameBody, UnframedStream
+from proxy.codec.stream import PAST_FRAME_END, FrameBody, UnframedStream, bytes_after_struct
 from proxy.codec.theader import INFLATE_PREFIX, inflate, parse_header_block
 from proxy.codec.wire import (
     COMPACT_PROTOCOL_ID,
@@ -276,8 +276,9 @@ class Decoder:
         """(head, whole size) of a plain framed message still arriving, once its head is here.
 
         The Message carries the head only: its `data` is empty (the bytes stay here until
-        `detach_frame`) and its `body` is the struct's offset in the frame. None when no incomplete plain framed message is held or its head is
-        not here yet (or is unreadable: then it is read whole and refused as usual).
+        `detach_frame`) and its `body` is the struct's offset in the frame. None when no
+        incomplete plain framed message is held or its head is not here yet (or is unreadable:
+        then it is read whole and refused as usual).
         Changes nothing.
         """
         total = self.pending_size()
@@ -645,10 +646,9 @@ class Decoder:
         """The struct at readable[body] ends exactly at `end` (`whole_body`), else ProtocolError."""
         stop = self._struct_end(readable, body, end, protocol is Protocol.COMPACT)
         if stop is None:
-            raise ProtocolError("bad request: the message's struct goes on past the end of its frame")
+            raise ProtocolError(PAST_FRAME_END)
         if stop != end:
-            raise ProtocolError(f"bad request: {end - stop} byte(s) after the message inside its frame "
-                                "(a second message in one frame?)")
+            raise ProtocolError(bytes_after_struct(end - stop))
 
     # -- unframed -------------------------------------------------------------
 

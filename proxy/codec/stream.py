@@ -32,6 +32,14 @@ from __future__ import annotations
 
 from proxy.codec.errors import ProtocolError
 
+# What a framed message's struct that does not fill its frame is told (the decoder's too).
+PAST_FRAME_END = "bad request: the message's struct goes on past the end of its frame"
+
+
+def bytes_after_struct(n: int) -> str:
+    return f"bad request: {n} byte(s) after the message inside its frame (a second message in one frame?)"
+
+
 # A cut token (at most ~16 bytes: a compact list header with its varint size) is finished on
 # its bytes plus this many of the next chunk, so the chunk itself is never copied.
 _BRIDGE = 64
@@ -148,9 +156,7 @@ class FrameBody:
         `total`: the frame's size, its length prefix included."""
         self._before = body       # bytes before the struct still to come
         self._left = total - body  # bytes of the frame after the struct's start still to come
-        self._stream = UnframedStream(
-            scanner_factory(compact), b"", total - body,
-            "bad request: the message's struct goes on past the end of its frame")
+        self._stream = UnframedStream(scanner_factory(compact), b"", total - body, PAST_FRAME_END)
 
     def feed(self, chunk) -> None:
         """Check the frame's next bytes (none past its end)."""
@@ -168,10 +174,9 @@ class FrameBody:
         used = stream.feed(chunk)
         if stream.done:
             if used < n or self._left:
-                raise ProtocolError(f"bad request: {n - used + self._left} byte(s) after the message inside "
-                                    "its frame (a second message in one frame?)")
+                raise ProtocolError(bytes_after_struct(n - used + self._left))
         elif not self._left:
-            raise ProtocolError("bad request: the message's struct goes on past the end of its frame")
+            raise ProtocolError(PAST_FRAME_END)
 
     @property
     def opaque(self) -> int:
