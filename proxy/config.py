@@ -28,6 +28,7 @@ import stat
 import types
 from pathlib import Path
 from urllib.parse import urlsplit
+from functools import cached_property
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
@@ -172,9 +173,17 @@ def read_regular(path: str | Path, limit: int = -1) -> tuple[bytes, str | None]:
     """(bytes, None): up to `limit` bytes of the regular file at `path`; (b"", what it is)
     when it is not one. Opened with O_NONBLOCK, so that a FIFO is refused instead of holding
     the caller (the loop's thread) in `open()` until some writer comes. Raises OSError."""
-    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
-        kind = special_file(os.fstat(f.fileno()).st_mode)
-        return (b"", kind) if kind is not None else (f.read(limit), None)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        kind = special_file(os.fstat(fd).st_mode)  # (before fdopen, which refuses a directory)
+        if kind is not None:
+            return b"", kind
+        with os.fdopen(fd, "rb") as f:
+            fd = -1  # (f closes it)
+            return f.read(limit), None
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def _regular_if_present(value: Path) -> Path:
@@ -501,6 +510,14 @@ class Listener(_Model):
     def framing(self) -> str:
         return self.transport
 
+    @cached_property
+    def parsed_idl(self) -> Any:
+        """The `idl` file parsed (a `proxy.idl.Idl`), or None without one; IdlError if it cannot
+        be. Read once per loaded config: by its checks (`config_problems`, in the thread that
+        loads a reload's config), then used as is by the server that builds the listener."""
+        from proxy.idl import load as load_idl
+        return load_idl(self.idl) if self.idl is not None else None
+
 
 # --------------------------------------------------------------------------------------------
 # Clusters
@@ -758,22 +775,27 @@ def _overlap(a: Address, b: Address) -> bool:
     return False
 
 
+def _text_or_none(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
 def _cross_problems(data: dict[str, Any]) -> list[tuple[Loc, str]]:
     """Rules across sections, on the raw data so they run even when some fields are invalid."""
     problems: list[tuple[Loc, str]] = []
 
     def unique(kind: str, items: Any, section: str) -> list[str]:
-        names: list[str] = []
+        names: dict[str, None] = {}
         for i, item in enumerate(items if isinstance(items, list) else []):
             name = item.get("name") if isinstance(item, dict) else None
             if isinstance(name, str):
                 if name in names:
                     problems.append(((section, i, "name"), f"duplicate {kind} name '{name}'"))
-                names.append(name)
-        return names
+                names[name] = None
+        return list(names)
 
     clusters = data.get("clusters")
     cluster_names = unique("cluster", clusters, "clusters")
+    cluster_set = frozenset(cluster_names)
     listeners = data.get("listeners")
     unique("listener", listeners, "listeners")
 
@@ -782,13 +804,15 @@ def _cross_problems(data: dict[str, Any]) -> list[tuple[Loc, str]]:
     # wire format; protocols are never transcoded, so a mismatch would fail every call). A
     # header or auto listener's clients say their protocol per message: checked per call.
     if clusters is None or isinstance(clusters, list):
-        speaks = {c.get("name"): c.get("protocol") for c in clusters or [] if isinstance(c, dict)}
+        # (only text: a list or mapping where a name or protocol belongs is reported by its field)
+        speaks = {c["name"]: _text_or_none(c.get("protocol")) for c in clusters or []
+                  if isinstance(c, dict) and isinstance(c.get("name"), str)}
         for i, listener in enumerate(listeners if isinstance(listeners, list) else []):
             routes = listener.get("routes") if isinstance(listener, dict) else None
             client = None  # the protocol the listener's clients speak, when it says one
             if isinstance(listener, dict) and listener.get(
                     "transport", Listener.model_fields["transport"].default) in ("framed", "buffered"):
-                client = listener.get("protocol", Listener.model_fields["protocol"].default)
+                client = _text_or_none(listener.get("protocol", Listener.model_fields["protocol"].default))
             for j, route in enumerate(routes if isinstance(routes, list) else []):
                 if not isinstance(route, dict):
                     continue
@@ -798,7 +822,9 @@ def _cross_problems(data: dict[str, Any]) -> list[tuple[Loc, str]]:
                     if isinstance(w, dict):
                         refs.append((("weighted", k, "cluster"), w.get("cluster")))
                 for sub, ref in refs:
-                    if isinstance(ref, str) and ref not in cluster_names:
+                    if not isinstance(ref, str):
+                        continue  # (missing, or not text: the field's own error says so)
+                    if ref not in cluster_set:
                         hint = difflib.get_close_matches(ref, cluster_names, n=1)
                         problems.append((("listeners", i, "routes", j, *sub),
                                          f"cluster '{ref}' is not defined"
@@ -845,8 +871,7 @@ def _cross_problems(data: dict[str, Any]) -> list[tuple[Loc, str]]:
 def load(path: str | Path, again: bool = False) -> Config:
     """Read and validate the config file at `path`; raise ConfigError listing every problem.
 
-    `again`: a reload's read, on the loop's thread: the file must be a regular one
-    (`_read_again`)."""
+    `again`: a reload's read, while serving: the file must be a regular one (`_read_again`)."""
     filename = str(path)
     try:
         text = _read_again(path) if again else _read_first(path)
@@ -1159,16 +1184,23 @@ def _unwrap(kind: Any) -> Any:
             return kind
 
 
+MAX_ERRORS_SHOWN = 200  # a config's error lines (each is also a log line when a reload fails)
+
+
 def _error_lines(filename: str, data: Any, lines: dict[Loc, int],
                  problems: list[tuple[Loc, str]]) -> list[str]:
-    rows: list[tuple[int, str]] = []
+    """`FILE:LINE: key.path: message` for each distinct problem, by line; past
+    MAX_ERRORS_SHOWN, one last line says how many more there are."""
+    unique: dict[tuple[int, str], None] = {}
     for loc, message in problems:
         loc = _file_loc(loc, data)
-        row = (_line_of(loc, lines), f"{_path(loc)}: {message}")
-        if row not in rows:
-            rows.append(row)
-    rows.sort(key=lambda row: row[0])  # stable: same line keeps pydantic's order
-    return [f"{filename}:{line}: {text}" for line, text in rows]
+        unique[(_line_of(loc, lines), f"{_path(loc)}: {message}")] = None
+    rows = sorted(unique, key=lambda row: row[0])  # stable: same line keeps pydantic's order
+    shown = [f"{filename}:{line}: {text}" for line, text in rows[:MAX_ERRORS_SHOWN]]
+    if len(rows) > MAX_ERRORS_SHOWN:
+        shown.append(f"{filename}:{rows[MAX_ERRORS_SHOWN][0]}: (root): {len(rows) - MAX_ERRORS_SHOWN} "
+                     f"more error(s) from this line on, not shown (fix the first {MAX_ERRORS_SHOWN} and check again)")
+    return shown
 
 
 def _file_loc(loc: Loc, data: Any) -> Loc:

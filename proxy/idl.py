@@ -16,6 +16,8 @@ Only the file's own services count (an `extends` brings the parent's methods in)
 sit in included files alone are not this listener's. Includes resolve against the including
 file's folder, then the top file's folder — never the working directory. A parse reads the
 files every time (a reload sees an edited include): thriftpy2's module cache is left as found.
+Before the parser opens any file, each one the includes bring in must be a regular file of at
+most MAX_IDL_FILE bytes (a FIFO would hold the reading thread in `open()`).
 """
 
 from __future__ import annotations
@@ -125,10 +127,11 @@ def load(path: str | os.PathLike) -> Idl:
         raise IdlError(shown, None, f"reading an IDL needs the thriftpy2 package ({e})") from None
 
     top = os.path.abspath(shown)
-    if not os.path.isfile(top):
-        raise IdlError(shown, None, "no such file" if not os.path.exists(top) else "not a file")
+    if not os.path.exists(top):
+        raise IdlError(shown, None, "no such file")
     if not top.endswith(".thrift"):
         raise IdlError(shown, None, "an IDL file name must end with .thrift")
+    _check_files(shown, top)
     lock = getattr(tp, "_parse_lock", None)
     cache = getattr(tp, "_thrift_cache", None)
     try:
@@ -153,10 +156,61 @@ def load(path: str | os.PathLike) -> Idl:
     except Exception as e:  # the parser choked on something it has no message for
         raise IdlError(shown, None, f"cannot be parsed ({type(e).__name__}: {e})") from None
 
-    services = {cls.__name__: _service(cls) for cls in module.__thrift_meta__.get("services", [])}
+    # (a file with no declarations at all has no __thrift_meta__)
+    meta = getattr(module, "__thrift_meta__", None) or {}
+    services = {cls.__name__: _service(cls) for cls in meta.get("services", [])}
     if not services:
         raise IdlError(shown, None, "declares no service")
     return Idl(Path(shown), MappingProxyType(services))
+
+
+MAX_IDL_FILE = 4 * 1024 * 1024  # bytes in one IDL file (a large service's IDL is ~100 KB)
+MAX_IDL_FILES = 1000  # files one IDL may bring in through its includes, itself counted
+
+# A comment, or a string (kept: an include's name is one), or `include "name"`.
+_TOKENS = re.compile(r"""/\*.*?\*/|//[^\n]*|#[^\n]*|"[^"]*"|'[^']*'""", re.S)
+_INCLUDE = re.compile(r"""(?<![\w.])include\s+("[^"]*"|'[^']*')""")
+
+
+def _check_files(shown: str, top: str) -> None:
+    """Refuse, before the parser opens any of them, an IDL whose own file or any file its
+    includes bring in is not a regular file (a FIFO would hold the reading thread in `open()`
+    until a writer came; a device is endless), is larger than MAX_IDL_FILE, or whose includes
+    bring in more than MAX_IDL_FILES files.
+
+    Includes are found the parser's way: the name is tried in the including file's folder,
+    then the top file's; the first that exists is the one read. A name found nowhere is left
+    for the parser to report, with its line."""
+    from proxy.config import read_regular  # (the O_NONBLOCK read the config's own files get)
+
+    seen: set[str] = set()
+    todo = [top]
+    while todo:
+        path = todo.pop()
+        real = os.path.realpath(path)
+        if real in seen:
+            continue
+        seen.add(real)
+        if len(seen) > MAX_IDL_FILES:
+            raise IdlError(shown, None, f"its includes bring in more than {MAX_IDL_FILES} files")
+        name = shown if path == top else path
+        try:
+            raw, kind = read_regular(path, MAX_IDL_FILE + 1)
+        except OSError as e:
+            raise IdlError(name, None, e.strerror or str(e)) from None
+        if kind is not None:
+            raise IdlError(name, None, f"must be a regular file; it is {kind}"
+                           + ("" if path == top else f" (included by way of {shown})"))
+        if len(raw) > MAX_IDL_FILE:
+            raise IdlError(name, None, f"larger than {MAX_IDL_FILE // (1024 * 1024)} MiB")
+        text = _TOKENS.sub(lambda m: m.group() if m.group()[0] in "\"'" else " ",
+                           raw.decode("utf-8", "replace"))
+        for m in _INCLUDE.finditer(text):
+            for folder in (os.path.dirname(path), os.path.dirname(top)):
+                candidate = os.path.join(folder, m.group(1)[1:-1])
+                if os.path.exists(candidate):
+                    todo.append(candidate)
+                    break
 
 
 def _parse_error(shown: str, top: str, text: str) -> IdlError:
@@ -215,12 +269,10 @@ def listener_problems(i: int, listener: Any) -> list[tuple[tuple[str | int, ...]
     """`config_problems` for one valid listener, the `i`th (also when other parts of the
     config are invalid: every problem is reported in one go)."""
     problems: list[tuple[tuple[str | int, ...], str]] = []
-    idl = None
-    if listener.idl is not None:
-        try:
-            idl = load(listener.idl)
-        except IdlError as e:
-            return [(("listeners", i, "idl"), str(e))]
+    try:
+        idl = listener.parsed_idl
+    except IdlError as e:
+        return [(("listeners", i, "idl"), str(e))]
     declared = (sorted({n for ids in idl.exception_ids().values() for n in ids})
                 if idl is not None else [])
     for j, route in enumerate(listener.routes):

@@ -260,7 +260,8 @@ class Server:
         self.ready = False
         self.draining = False
         self.reloads = {"ok": 0, "failed": 0}
-        self._reload_lock = asyncio.Lock()
+        self._reload_lock = asyncio.Lock()  # held by `apply`
+        self._read_lock = asyncio.Lock()  # held by `reload` around reading the file and `apply`
         self._watch: asyncio.Task | None = None
         self._stop = asyncio.Event()
         self._hurry = asyncio.Event()  # a second signal: exit without waiting for anything more
@@ -316,12 +317,13 @@ class Server:
 
     def _pipeline(self, lc: cfgmod.Listener, config: cfgmod.Config | None = None) -> Pipeline:
         """The listener's request path; ValueError naming the listener if its IDL is unusable or
-        a route's `on_exceptions` names cannot be resolved (the IDL is read on every build)."""
-        from proxy.idl import IdlError, load as load_idl
+        a route's `on_exceptions` names cannot be resolved (the IDL as the config's checks read
+        it: `Listener.parsed_idl`)."""
+        from proxy.idl import IdlError
 
         router = Router([build_route(r, i, self.clusters, self.rng) for i, r in enumerate(lc.routes)])
         try:
-            idl = load_idl(lc.idl) if lc.idl is not None else None
+            idl = lc.parsed_idl
         except IdlError as e:
             raise ValueError(f"listener {lc.name}: idl: {e}") from None
         # the IDL's oneway methods, so clients that send them as CALL need no `oneway_methods`
@@ -427,11 +429,21 @@ class Server:
     # -- reload ------------------------------------------------------------------------
 
     async def reload(self) -> bool:
-        """Re-read the config file; apply it if valid, else log its errors and keep serving."""
+        """Re-read the config file; apply it if valid, else log its errors and keep serving.
+
+        The file is read and checked (YAML, every rule, the IDLs it names) in a worker thread,
+        so a large config does not hold the loop; reloads run one at a time, in the order asked."""
         if not self.path:
             return False
+        async with self._read_lock:
+            return await self._reload()
+
+    async def _reload(self) -> bool:
+        if self.draining:
+            log.warning("reload of %s ignored: the proxy is draining to stop", self.path)
+            return False
         try:
-            config = cfgmod.load(self.path, again=True)
+            config = await asyncio.to_thread(cfgmod.load, self.path, True)
         except cfgmod.ConfigError as e:
             self.reloads["failed"] += 1
             log.error("reload rejected: %s has %d error(s); the old config keeps serving",
@@ -464,6 +476,9 @@ class Server:
         Everything that can fail is done first (clusters built, pipelines built, new sockets
         bound but not serving); on a failure the old config keeps serving untouched."""
         async with self._reload_lock:
+            if self.draining:  # (the drain began while the file was read)
+                log.warning("reload ignored: the proxy is draining to stop")
+                return False
             old_clusters, old_cfg = self.clusters, self._cluster_cfg
             slots: list[_Slot] = []
             try:

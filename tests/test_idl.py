@@ -5,9 +5,11 @@ errors for an IDL that does not parse and for exception names nothing can resolv
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -135,6 +137,10 @@ def test_a_name_in_two_services_is_oneway_or_retried_only_where_they_agree(tmp_p
     ({"x.thrift": 'include "sub/b.thrift"\nservice S { void f() }\n',
       "sub/b.thrift": "struct B {\n  1: i32 x,\n  2 i32 y\n}\n"}, "sub/b.thrift:3", "syntax error at 'i32'"),
     ({"x.thrift": "struct A { 1: i32 a }\n"}, "x.thrift", "declares no service"),
+    ({"x.thrift": "// nothing here yet\n"}, "x.thrift", "declares no service"),
+    ({"x.thrift": ""}, "x.thrift", "declares no service"),
+    ({"x.thrift": 'include "big.thrift"\nservice S { void f() }\n',
+      "big.thrift": "// padding\n" * 400_000}, "big.thrift", "larger than 4 MiB"),
 ])
 def test_errors_name_the_file_and_line(tmp_path, files, where, message):
     _write(tmp_path, files)
@@ -146,8 +152,60 @@ def test_errors_name_the_file_and_line(tmp_path, files, where, message):
 def test_a_missing_file_is_an_error(tmp_path):
     with pytest.raises(IdlError, match=r"nope\.thrift: no such file"):
         load(tmp_path / "nope.thrift")
-    with pytest.raises(IdlError, match="not a file"):
-        load(tmp_path)
+    (tmp_path / "d.thrift").mkdir()
+    with pytest.raises(IdlError, match="d.thrift: must be a regular file; it is a directory"):
+        load(tmp_path / "d.thrift")
+
+
+def _let_go(fifo: Path) -> None:
+    """Whoever waits in `open()` of `fifo` to read gets it (and EOF); no one: nothing."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:  # ENXIO: no reader waits
+        pass
+
+
+def _load_in_a_thread(path: Path, fifo: Path) -> IdlError | Exception | None:
+    """`load(path)` given 10 s; the error it raised (None: it parsed). A load still waiting
+    after that, in `open()` of the FIFO, is let go (a writer opens and closes it) and fails."""
+    out: list = []
+
+    def run() -> None:
+        try:
+            load(path)
+            out.append(None)
+        except Exception as e:  # noqa: BLE001 - returned for the test to look at
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():
+        _let_go(fifo)
+        t.join(10)
+        pytest.fail(f"load({path.name}) waited in open() on {fifo.name} until a writer came")
+    return out[0]
+
+
+@pytest.mark.parametrize("top", [
+    'include "pipe.thrift"\nservice S { void f() }\n',
+    'include "sub/ok.thrift"\nservice S { void f() }\n',   # (sub/ok.thrift includes it)
+])
+def test_an_include_that_is_a_fifo_is_refused_before_anything_opens_it(tmp_path, top):
+    _write(tmp_path, {"x.thrift": top, "sub/ok.thrift": 'include "pipe.thrift"\nstruct A { 1: i32 a }\n'})
+    os.mkfifo(tmp_path / "pipe.thrift")  # (sub/ finds it in the top file's folder, as the parser does)
+    e = _load_in_a_thread(tmp_path / "x.thrift", tmp_path / "pipe.thrift")
+    assert isinstance(e, IdlError), e
+    assert str(e).startswith(f"{tmp_path / 'pipe.thrift'}: must be a regular file; it is a FIFO"), str(e)
+    assert str(e).endswith(f"(included by way of {tmp_path / 'x.thrift'})"), str(e)
+
+
+def test_an_include_in_a_comment_or_a_string_is_not_followed(tmp_path):
+    _write(tmp_path, {"x.thrift": '/* include "pipe.thrift" */\n// include "pipe.thrift"\n'
+                                  '# include "pipe.thrift"\n'
+                                  'const string NOTE = "include pipe.thrift"\nservice S { void f() }\n'})
+    os.mkfifo(tmp_path / "pipe.thrift")
+    assert _load_in_a_thread(tmp_path / "x.thrift", tmp_path / "pipe.thrift") is None
 
 
 # ---------------------------------------------------------------------------- config checks
@@ -346,7 +404,8 @@ def test_every_idl_method_is_a_known_metrics_method(monkeypatch):
 
 
 @needs_config_rule
-def test_a_reload_with_a_broken_idl_is_rejected_and_the_old_config_serves(tmp_path, monkeypatch):
+@pytest.mark.parametrize("broken", ["syntax", "fifo include"])
+def test_a_reload_with_a_broken_idl_is_rejected_and_the_old_config_serves(tmp_path, monkeypatch, broken):
     shutil.copy(IDL, tmp_path / "svc.thrift")
     up = ThriftServer()
     path = tmp_path / "sidecar.yaml"
@@ -355,8 +414,16 @@ def test_a_reload_with_a_broken_idl_is_rejected_and_the_old_config_serves(tmp_pa
     try:
         with _proxy(text, monkeypatch, filename=str(path), path=str(path)) as p:
             before = p.server.listeners["test"].pipeline
-            (tmp_path / "svc.thrift").write_text("service S {\n  void f(\n}\n")
-            ok = asyncio.run_coroutine_threadsafe(p.server.reload(), p.loop).result(30)
+            if broken == "syntax":
+                (tmp_path / "svc.thrift").write_text("service S {\n  void f(\n}\n")
+            else:  # before: the reload waited in open() on the loop's thread, and nothing was served
+                os.mkfifo(tmp_path / "types.thrift")
+                (tmp_path / "svc.thrift").write_text('include "types.thrift"\n' + IDL.read_text())
+            try:
+                ok = asyncio.run_coroutine_threadsafe(p.server.reload(), p.loop).result(10)
+            finally:
+                if broken != "syntax":
+                    _let_go(tmp_path / "types.thrift")
             assert ok is False and p.server.reloads == {"ok": 0, "failed": 1}
             assert p.server.listeners["test"].pipeline is before
             with client(p.port()) as c:
