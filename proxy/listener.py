@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from time import monotonic_ns
 
 from proxy.codec import Decoder, Framing, Head, MessageType, Protocol, ProtocolError, exception_reply
@@ -938,21 +938,22 @@ class ClientConnection(asyncio.Protocol):
         elif self.closing and not self.queue:
             self._close_after_replies()
 
-    def shut_down(self, why: str) -> None:
-        """The proxy stops with this client connected: each call still open is answered with
-        `why` (`Pipeline.shutting_down`: "may have run" or "not sent"), then the connection
-        closes once that is written. A reply already streaming is cut, recorded as not delivered."""
+    def shut_down(self, why: str, cause: str = "the proxy shut down") -> None:
+        """The proxy stops with this client connected (or `cause`, e.g. its listener was removed
+        and drained): each call still open is answered with it and `why`
+        (`Pipeline.shutting_down`: "may have run" or "not sent"), then the connection closes
+        once that is written. A reply already streaming is cut, recorded as not delivered."""
         if self.transport is None:
             return
-        self._closed_why = self._closed_why or f"the proxy shut down ({why})"
+        self._closed_why = self._closed_why or f"{cause} ({why})"
         # Nothing more is read or started: answering the open calls must not resume reading and
         # hand requests held back at max_inflight to the pipeline (they would start upstream).
         self.closing = True
         self._disarm_read()
-        self._refuse_held(f"not sent: the proxy shut down before it handled this request ({why})")
+        self._refuse_held(f"not sent: {cause} before it handled this request ({why})")
         for call in list(self.queue):
             if call.reply is None and call.pipeline is not None:
-                call.pipeline.shutting_down(call, f"the proxy shut down before its reply ({why})")
+                call.pipeline.shutting_down(call, f"{cause} before its reply ({why})")
         if self.queue and self.queue[0].reply is not None:
             self.call_done(self.queue[0])  # (only held ones: no call was open)
         self.transport.close()  # (only connection_lost, which comes later, drops the transport)
@@ -1081,6 +1082,18 @@ class ClientConnection(asyncio.Protocol):
     def _arm_idle(self) -> None:
         loop = self.state.loop
         self._idle_timer = loop.call_later(self.settings.idle_timeout, self._idle_check)
+
+    def close_when_quiet(self, quiet: float) -> None:
+        """From now on, an idle_timeout of `quiet` seconds (unless its own is shorter): closed
+        once no call is in flight, no reply is being delivered and nothing has come for that
+        long, so a client between calls loses nothing. A listener a reload removed drains so."""
+        if self.closing or self.transport is None or 0 < self.settings.idle_timeout <= quiet:
+            return
+        self.settings = replace(self.settings, idle_timeout=quiet)
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        self._last_active = monotonic_ns()
+        self._arm_idle()
 
     def _idle_check(self) -> None:
         self._idle_timer = None

@@ -13,8 +13,9 @@ its connections on the new config, and takes over the socket of a listener that
 left its new address (`_Acceptor`), never that listener's connections. A cluster
 a reload replaces is retired: its discovery and health check stop at once, and
 its pools close only once no call is in flight on it (retries included). Connections of a listener a reload
-removed keep being served on the config they were accepted with until they
-close; drain and `/stats` count them.
+removed keep being served on the config they were accepted with, each closed
+once idle (no call in flight), the rest at the reload's `drain_timeout` (open
+calls answered, as at a stop); drain and `/stats` count them.
 
 Drain (an outbound sidecar): on SIGTERM/SIGINT `/ready` turns 503, existing
 and new local connections keep being served, and the process exits once no
@@ -62,6 +63,7 @@ log = logging.getLogger("proxy")
 DRAIN_GRACE = 1.0  # seconds without any client connection before a drain ends
 SPAN_FLUSH_TIMEOUT = 5.0  # seconds to export queued spans at shutdown
 WATCH_INTERVAL = 1.0  # seconds between config file checks (reload: {watch: true})
+RETIRED_QUIET = 2.0  # seconds a connection of a listener a reload removed may sit idle before it is closed
 RETIRE_POLL = 0.1  # seconds between checks whether retired clusters and listeners are still used
 
 
@@ -269,6 +271,7 @@ class Server:
         # Retired by a reload and still used: listeners' states with connections open, clusters
         # with calls in flight (or routed to by such a listener). Closed once unused.
         self._retired_listeners: list[ListenerState] = []
+        self._drain_by: dict[int, tuple[float, float]] = {}  # id(retired state) → (deadline, drain_timeout)
         self._retiring: list[Cluster] = []
         self._retire_timer: asyncio.TimerHandle | None = None
         try:
@@ -540,9 +543,13 @@ class Server:
             kept_states = {id(st) for st in self.listeners.values()}
             for name, state in old_states.items():
                 if id(state) not in kept_states and state.connections:
-                    log.info("listener %s removed: its %d open connection(s) are served on the old config "
-                             "until they close", name, len(state.connections))
+                    log.info("listener %s removed: its %d open connection(s) are served on the old config, "
+                             "each closed once no call is on it (at most %gs: drain_timeout)",
+                             name, len(state.connections), config.drain_timeout)
                     self._retired_listeners.append(state)
+                    self._drain_by[id(state)] = (time.monotonic() + config.drain_timeout, config.drain_timeout)
+                    for conn in state.connections:
+                        conn.close_when_quiet(RETIRED_QUIET)
             for slot in slots:
                 if slot.fresh_server:
                     await slot.server.start_serving()
@@ -646,10 +653,25 @@ class Server:
                                          "metrics_listen": prev.metrics_listen})
 
     def _sweep_retired(self) -> None:
-        """Forget retired listeners whose connections all closed; close retired clusters that no
-        call is on and no retired listener routes to; check again later while any remain."""
+        """Drain the listeners a reload removed: each connection closes once quiet for
+        RETIRED_QUIET (armed at the reload: `close_when_quiet`), and those left at the reload's
+        `drain_timeout` close as a stop closes them (open calls answered). Their calls meanwhile
+        use the clusters they were routed to, whose discovery and health checks stopped: the
+        drain bounds how long. Forget retired listeners whose connections all closed; close
+        retired clusters that no call is on and no retired listener routes to; check again later
+        while any remain."""
         self._retire_timer = None
+        now = time.monotonic()
+        for state in self._retired_listeners:
+            deadline, timeout = self._drain_by.get(id(state), (now, 0.0))
+            if now < deadline:
+                continue
+            for conn in list(state.connections):
+                if not conn.closing:  # (a closing one closes once its calls are answered)
+                    conn.shut_down(f"drain_timeout {timeout:g}s passed",
+                                   f"its listener {state.settings.name} was removed by a reload")
         self._retired_listeners = [s for s in self._retired_listeners if s.connections]
+        self._drain_by = {id(s): self._drain_by[id(s)] for s in self._retired_listeners if id(s) in self._drain_by}
         routed = {id(c) for s in self._retired_listeners for r in s.pipeline.router.routes for c in r.clusters}
         still = []
         for c in self._retiring:

@@ -738,3 +738,42 @@ def test_a_reload_asked_while_draining_binds_nothing_and_changes_nothing(tmp_pat
             asyncio.run_coroutine_threadsafe(p.server.wait_stopped(), p.loop).result(20)
     finally:
         up.stop()
+
+
+def test_a_removed_listeners_connections_close_when_quiet_and_at_drain_timeout(monkeypatch):
+    """A reload removes the listener. Its connections are still served on the old config, but
+    each closes once no call has been on it for RETIRED_QUIET, and any left at the reload's
+    drain_timeout closes with its open call answered. Before: they were served indefinitely,
+    by a replaced cluster whose discovery and health checks had stopped."""
+    from proxy import server as servermod
+    monkeypatch.setattr(servermod, "RETIRED_QUIET", 0.6, raising=False)
+    up, other = ThriftServer(), ThriftServer(name="B")
+    port, port2 = free_ports(2)
+    try:
+        with Proxy(_one_listener("test", port, up.address, top="drain_timeout: 4s")) as p:
+            busy, quiet, slow = client(port), client(port), client(port)
+            for c in (busy, quiet, slow):
+                assert c.lookup("k") == "upstream:k"
+            assert _apply(p, _one_listener("test_v2", port2, other.address, top="drain_timeout: 4s"))
+            t0 = time.monotonic()
+            threads, out = _concurrently([lambda: slow.sleep(8000)])
+            for _ in range(8):  # a call every 0.25 s: never quiet for 0.6 s
+                assert busy.lookup("k") == "upstream:k"
+                time.sleep(0.25)
+            assert time.monotonic() - t0 >= 2.0
+            with pytest.raises(Exception):  # closed after 0.6 s without a call
+                quiet.lookup("k")
+            time.sleep(1.0)  # busy is quiet now
+            with pytest.raises(Exception):
+                busy.lookup("k")
+            threads[0].join(15)
+            took = time.monotonic() - t0
+            assert out[0][0] == "error" and out[0][1] == (
+                "thrift-sidecar: may have run: its listener test was removed by a reload before its reply "
+                "(drain_timeout 4s passed)"), out
+            assert 3.5 <= took < 8.0, took  # (at the drain deadline, not the call's 8 s)
+            wait_for(lambda: _snapshot(p)["retired_listeners"] == [] and _snapshot(p)["retiring_clusters"] == [],
+                     what="the retired listener and cluster to go")
+    finally:
+        up.stop()
+        other.stop()
