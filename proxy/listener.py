@@ -44,6 +44,19 @@ ACK_POLL_MAX = 0.01
 STALL_LOOKS = 4  # looks per request_read_timeout at a client whose reading holds our writing back
 WAITING_REPLY_BUDGET = 16 << 20  # bytes of large replies read whole while they wait behind a client's
                                  # earlier calls; past it they wait unread (take_turn)
+PROXY_WAITING_BUDGET = 64 << 20  # the same, summed over every client connection of the proxy
+
+
+class WaitingBudget:
+    """Bytes of large replies read whole to wait their turn, over all client connections (one
+    per proxy, kept across reloads): what `ClientConnection.wait_whole` draws on besides its
+    own WAITING_REPLY_BUDGET. Past it, replies wait unread in the upstream's socket."""
+
+    __slots__ = ("limit", "used")
+
+    def __init__(self, limit: int = PROXY_WAITING_BUDGET) -> None:
+        self.limit = limit
+        self.used = 0
 ACK_CAP_NS = 60_000_000_000  # a client that has not acknowledged a reply after this never read it
 UNDECIDED, NEVER = -2, -1    # ClientConnection._upload_at before a request's head is looked at / never
 
@@ -65,10 +78,12 @@ class ListenerSettings:
 class ListenerState:
     """What all connections of one listener share: settings, pipeline, counters."""
 
-    def __init__(self, settings: ListenerSettings, pipeline, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, settings: ListenerSettings, pipeline, loop: asyncio.AbstractEventLoop,
+                 waiting: WaitingBudget | None = None) -> None:
         self.settings = settings
         self.pipeline = pipeline
         self.loop = loop
+        self.waiting = waiting if waiting is not None else WaitingBudget()  # (the server shares one)
         self.connections: set[ClientConnection] = set()
         self.stats = {"accepted": 0, "refused": 0, "protocol_errors": 0, "read_timeouts": 0,
                       "idle_closed": 0, "write_stalls": 0}
@@ -485,6 +500,7 @@ class ClientConnection(asyncio.Protocol):
         self.closing = True
         self.state.connections.discard(self)
         self._waiting.clear()  # (its calls end below: no budget left to keep)
+        self.state.waiting.used -= self._waiting_bytes
         self._waiting_bytes = 0
         if self.upload is not None:  # gone mid-request: the call is cancelled below
             self.stop_upload_splice(self.upload)
@@ -621,25 +637,32 @@ class ClientConnection(asyncio.Protocol):
         t = self.transport
         return t is not None and not t.is_closing() and call in self.queue
 
-    def wait_whole(self, call: Call, size: int | None) -> bool:
+    def wait_whole(self, call: Call, size: int | None, pressed: bool = False) -> bool:
         """May `call`'s large reply (`size` bytes; None: unframed, not known) behind earlier
         calls be read whole to wait its turn? Yes while this connection's replies read whole for
-        that stay within WAITING_REPLY_BUDGET (reading it frees its upstream connection at once:
-        a client pipelining many calls does not hold as many connections); else it waits unread."""
+        that stay within WAITING_REPLY_BUDGET, and all the proxy's within its WaitingBudget
+        (reading it frees its upstream connection at once: a client pipelining many calls does
+        not hold as many connections); else it waits unread. `pressed`: calls wait for that
+        upstream connection (Pool.acquire), so only the proxy's budget applies."""
         if size is None:
             return False
         have = self._waiting.get(call, 0)
-        if self._waiting_bytes - have + size > WAITING_REPLY_BUDGET:
+        shared = self.state.waiting
+        if ((not pressed and self._waiting_bytes - have + size > WAITING_REPLY_BUDGET)
+                or shared.used - have + size > shared.limit):
             return False
         self._waiting[call] = size
         self._waiting_bytes += size - have
+        shared.used += size - have
         return True
 
     def unwait(self, call: Call) -> None:
         """`call`'s reply read whole to wait its turn (wait_whole) is written, or dropped for a
-        retry: its share of the budget is free."""
+        retry: its share of the budgets is free."""
         if self._waiting:
-            self._waiting_bytes -= self._waiting.pop(call, 0)
+            size = self._waiting.pop(call, 0)
+            self._waiting_bytes -= size
+            self.state.waiting.used -= size
 
     def _give_turn(self, call: Call) -> None:
         """`call` is first in line now: if its large reply is held unread, let it come. (The time

@@ -187,10 +187,11 @@ class Pool:
     def _wait_for_release(self, w: Waiter) -> None:
         """`w` counts on no connect: a busy connection must come free within acquire_timeout."""
         w.timer = self.loop.call_later(self.settings.acquire_timeout, self._acquire_timeout, w)
-        if self.held:
-            # A connection only holds a reply unread to spare the proxy's memory: under
-            # pressure it reads that reply whole instead, then serves this waiter.
-            self.held.pop().read_held_whole()
+        # A connection only holds a reply unread to spare the proxy's memory: under pressure
+        # one reads that reply whole instead (if that memory allows), then serves this waiter.
+        for conn in list(self.held):
+            if conn.read_held_whole():
+                break
 
     def release(self, conn: UpstreamConnection) -> None:
         if conn.closed:

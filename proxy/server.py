@@ -51,7 +51,7 @@ from proxy.metrics import Metrics
 from proxy.observe import CallRecorder, TraceHooks
 from proxy.telemetry import Telemetry
 from proxy.discovery import Resolver, make_source, static_endpoints
-from proxy.listener import ListenerSettings, ListenerState
+from proxy.listener import ListenerSettings, ListenerState, WaitingBudget
 from proxy.pipeline import Pipeline
 from proxy.pool import PoolSettings
 from proxy.router import HeaderMatch, Route, Router, method_matcher
@@ -271,6 +271,7 @@ class Server:
         # Retired by a reload and still used: listeners' states with connections open, clusters
         # with calls in flight (or routed to by such a listener). Closed once unused.
         self._retired_listeners: list[ListenerState] = []
+        self.waiting = WaitingBudget()  # large replies read whole to wait their turn, all listeners'
         self._drain_by: dict[int, tuple[float, float]] = {}  # id(retired state) → (deadline, drain_timeout)
         self._retiring: list[Cluster] = []
         self._retire_timer: asyncio.TimerHandle | None = None
@@ -310,7 +311,7 @@ class Server:
         return fresh, retired, renewed
 
     def build_listener(self, lc: cfgmod.Listener, config: cfgmod.Config | None = None) -> ListenerState:
-        return ListenerState(self._settings(lc), self._pipeline(lc, config), self.loop)
+        return ListenerState(self._settings(lc), self._pipeline(lc, config), self.loop, self.waiting)
 
     def _settings(self, lc: cfgmod.Listener) -> ListenerSettings:
         return ListenerSettings(
@@ -634,7 +635,7 @@ class Server:
                 slot.state, slot.reused = self.listeners[name], True
                 log.info("listener %s renamed %s: same socket, same connections", name, lc.name)
             else:
-                slot.state = ListenerState(slot.settings, slot.pipeline, self.loop)
+                slot.state = ListenerState(slot.settings, slot.pipeline, self.loop, self.waiting)
         return slots
 
     def _changed_at_restart(self, prev: cfgmod.Config, config: cfgmod.Config) -> cfgmod.Config:

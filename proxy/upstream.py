@@ -131,6 +131,12 @@ class Exchange:
     def held_for(self, ns: int) -> None:  # pragma: no cover - interface
         """The reply was held unread for its turn this long (however the hold ended)."""
 
+    def read_whole_now(self, head: StreamHead) -> bool:  # pragma: no cover - interface
+        """Calls wait for this upstream connection: may the reply it would hold unread for its
+        turn be read whole instead, to free the connection? (No when memory for replies waiting
+        their turn is short: then it stays held, and the calls wait for another connection.)"""
+        return True
+
     def stream_data(self, data) -> int:  # pragma: no cover - interface
         """Pass on a piece of the reply; returns the bytes the client's transport still holds."""
         raise NotImplementedError
@@ -332,9 +338,10 @@ class UpstreamConnection(asyncio.Protocol):
 
     def _hold(self, head: StreamHead, buf) -> bool:
         """Keep a large reply unread until its call's turn (take_turn). Not while calls wait for
-        a connection of this pool (False: read it whole instead, as under Pool.acquire's
-        pressure): holding spares the proxy's memory, never at the cost of other calls."""
-        if self.pool.waiters:
+        a connection of this pool, if the exchange may read it whole instead (False: as under
+        Pool.acquire's pressure): holding spares the proxy's memory, and costs other calls only
+        when that memory is short."""
+        if self.pool.waiters and self.exchange_.read_whole_now(head):
             return False
         self.turn = (head, buf)
         self.turn_since = monotonic_ns()
@@ -373,13 +380,16 @@ class UpstreamConnection(asyncio.Protocol):
             go = False
         self._go_on(ex, head, buf, go)
 
-    def read_held_whole(self) -> None:
+    def read_held_whole(self) -> bool:
         """Read the held reply whole now, not waiting for its turn (its pool needs this
-        connection back sooner: Pool.acquire); it then waits its turn as any reply read whole."""
-        held = self._end_hold()
+        connection back sooner: Pool.acquire), if the exchange may (`read_whole_now`); it then
+        waits its turn as any reply read whole. False: it stays held."""
         ex = self.exchange_
-        if held is not None and ex is not None and not self.closed:
-            self._go_on(ex, held[0], held[1], False)
+        if self.turn is None or ex is None or self.closed or not ex.read_whole_now(self.turn[0]):
+            return False
+        head, buf = self._end_hold()
+        self._go_on(ex, head, buf, False)
+        return True
 
     def _go_on(self, ex: Exchange, head: StreamHead, buf, stream: bool) -> None:
         """After a hold: stream the reply from its first bytes, or read it whole; reading resumes."""

@@ -627,9 +627,36 @@ def test_held_replies_give_way_when_their_pool_runs_out_of_connections(connectio
             time.sleep(0.2)
             stats = p.call(lambda: dict(p.server.clusters["up"].endpoints[0].pools.popitem()[1].stats))
             assert stats["acquire_timeouts"] == 0, stats
+            assert p.server.waiting.used == 0  # (every reply read whole to wait gave its share back)
     finally:
         up.close()
     assert sorted(c.outcome for c in done) == ["success"] * (2 + echoes)
+
+
+def test_held_replies_are_not_read_whole_for_a_waiting_call_past_the_proxys_budget():
+    """As above (2, 1), but the proxy's budget for replies waiting in memory (WaitingBudget) is
+    10 MB: the 20 MB held reply stays held (streamed in its turn), and the other client's ping
+    waits for the sleep's connection instead. Before, pool pressure read every held reply
+    whole whatever its size: a client pipelining large calls grew the proxy by as many replies
+    as the pool had connections (300 MB seen)."""
+    up = SlowFirstBigUpstream(20_000_000, delay=1.5)
+    try:
+        pool = "\n    pool: {max_connections: 2, acquire_timeout: 5s}"
+        with Proxy(_big_config(up.address, extra_cluster=pool)) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            p.server.waiting.limit = 10_000_000
+            pong, took, replies = _held_then_ping(p.port(), 1500, 1)
+            assert (pong.seqid, pong.type) == (9, MessageType.REPLY), pong
+            assert took >= 0.9, took  # (it came 0.4 s in; the sleep ends at 1.5 s)
+            assert [(r.seqid, r.type) for r in replies] == [(1, MessageType.REPLY), (2, MessageType.REPLY)]
+            assert len(replies[1].data) == 20_000_028
+            time.sleep(0.2)
+            assert p.server.waiting.used == 0
+    finally:
+        up.close()
+    (echo,) = [c for c in done if c.msg.name == "echo"]
+    assert echo.streamed and echo.outcome == "success" and echo.attempts[0].held_ns >= 900e6
 
 
 def test_a_held_reply_read_whole_early_keeps_its_timeout_credit():
