@@ -233,9 +233,12 @@ def _url(value: str) -> str:
     if not value.lower().startswith(("http://", "https://")):
         raise ValueError("must be an http:// or https:// URL, e.g. http://127.0.0.1:4317")
     try:
-        urlsplit(value).port  # (an unparsable host or a port out of range raises here)
+        parts = urlsplit(value)
+        parts.port  # (an unparsable host or a port out of range raises here)
     except ValueError as e:
         raise ValueError(f"not a usable URL: {e}") from None
+    if not parts.hostname:
+        raise ValueError("must name a host, e.g. http://127.0.0.1:4317")
     return value
 
 
@@ -536,9 +539,19 @@ class Endpoint(_Model):
     weight: PositiveWeight = 1
 
 
+def _at_least(floor: float, why: str):
+    """A duration of at least `floor` seconds (smaller ones would only burn CPU: `why`)."""
+    def check(value: object) -> float:
+        seconds = _positive_duration(value)
+        if seconds < floor:
+            raise ValueError(f"must be at least {format_duration(floor)} ({why})")
+        return seconds
+    return Annotated[float, PlainValidator(check), PlainSerializer(format_duration, when_used="json")]
+
+
 class DnsEndpoints(_Model):
     name: EndpointAddress  # host:port; every A/AAAA record becomes an endpoint on that port
-    refresh: PositiveDuration = 5.0
+    refresh: _at_least(0.1, "a lookup per endpoint source that often is load, not freshness") = 5.0  # type: ignore[valid-type]
 
 
 class Endpoints(_Model):
@@ -605,6 +618,13 @@ class Limits(_Model):
         return self
 
 
+def _some_may_be_out(value: int) -> int:
+    if value == 0:  # (Envoy's healthy_panic_threshold 0 turns panic off: the opposite)
+        raise ValueError("must be 1-100: 0 would panic, ignoring health, as soon as one endpoint "
+                         "is out (100 never panics)")
+    return value
+
+
 class CircuitBreaker(_Model):
     """Per endpoint; also the outlier ejection (open time grows per opening up to max_open_for)."""
 
@@ -615,7 +635,8 @@ class CircuitBreaker(_Model):
     open_for: PositiveDuration = 5.0
     max_open_for: PositiveDuration = 300.0
     half_open_probes: PositiveCount = 1
-    max_open_percent: Annotated[int, Strict(), Field(ge=0, le=100)] = 50  # above: panic, ignore health
+    # above: panic, ignore health
+    max_open_percent: Annotated[int, Strict(), Field(ge=0, le=100), AfterValidator(_some_may_be_out)] = 50
 
     @model_validator(mode="after")
     def _max_not_below_open_for(self) -> CircuitBreaker:
@@ -625,8 +646,8 @@ class CircuitBreaker(_Model):
 
 
 class HealthCheck(_Model):
-    interval: PositiveDuration = 5.0
-    timeout: PositiveDuration = 1.0
+    interval: _at_least(0.01, "each check is a connection and a call per endpoint") = 5.0  # type: ignore[valid-type]
+    timeout: _at_least(0.001, "no connect and call can be done sooner") = 1.0  # type: ignore[valid-type]
     method: Text = "ping"
 
     @model_validator(mode="after")

@@ -350,6 +350,19 @@ ENDPOINTS = "[127.0.0.1:9191]"
      ["4: tracing.endpoint: must be an http:// or https:// URL, e.g. http://127.0.0.1:4317"]),
     ("clusters:", "tracing: {endpoint: 'ftp://127.0.0.1:4317'}\nclusters:",
      ["4: tracing.endpoint: must be an http:// or https:// URL, e.g. http://127.0.0.1:4317"]),
+    # timers so short they would only burn CPU; a panic threshold that would ignore health always
+    ("name: users\n", "name: users\n    health_check: {interval: 1us, timeout: 1us}\n",
+     ["6: clusters[0].health_check.interval: must be at least 10ms (each check is a connection and a "
+      "call per endpoint)",
+      "6: clusters[0].health_check.timeout: must be at least 1ms (no connect and call can be done sooner)"]),
+    (ENDPOINTS, "{dns: {name: 'users:1', refresh: 1us}}",
+     ["6: clusters[0].endpoints.dns.refresh: must be at least 100ms (a lookup per endpoint source that "
+      "often is load, not freshness)"]),
+    ("name: users\n", "name: users\n    circuit_breaker: {max_open_percent: 0}\n",
+     ["6: clusters[0].circuit_breaker.max_open_percent: must be 1-100: 0 would panic, ignoring health, "
+      "as soon as one endpoint is out (100 never panics)"]),
+    ("clusters:", "tracing: {endpoint: 'http://'}\nclusters:",
+     ["4: tracing.endpoint: must name a host, e.g. http://127.0.0.1:4317"]),
     ("    routes:", "    transport: auto\n    protocol: binary_nonstrict\n    routes:",
      ["3: listeners[0].transport: auto cannot tell framed from buffered for protocol binary_nonstrict "
       "(both begin with a length): set framed or buffered"]),
