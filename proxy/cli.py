@@ -6,6 +6,7 @@ Parsing only; each command calls into the module that owns the work.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 
@@ -29,6 +30,19 @@ def _count(low: int, high: int | None = None):
             raise argparse.ArgumentTypeError(
                 f"must be {low}-{high}" if high is not None else f"must be at least {low}")
         return n
+    return parse
+
+
+def _seconds(low: float, high: float):
+    """An argparse type: a number of seconds from `low` to `high`, else a usage error."""
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+        if not low <= x <= high:  # (also NaN)
+            raise argparse.ArgumentTypeError(f"must be {low:g}-{high:g} seconds")
+        return x
     return parse
 
 
@@ -69,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     client.add_argument("--target", required=True, metavar="HOST:PORT", help="the sidecar's listener")
     client.add_argument("--count", type=_count(1), default=120, metavar="N", help="calls per round (120)")
     client.add_argument("--forever", action="store_true", help="repeat rounds until SIGTERM/SIGINT")
-    client.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
+    client.add_argument("--interval", type=_seconds(0, 86400), default=1.0, metavar="SECONDS",
                         help="with --forever: pause between rounds (1)")
     client.add_argument("--connections", type=_count(1), default=4, metavar="N", help="concurrent connections (4)")
     client.add_argument("--large", type=_count(0), default=2, metavar="N",
@@ -103,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `check-config F | head -1`: the reader left; nothing to say to it
         # (stdout's buffer still holds what could not be written: point it at /dev/null, so
         # that flushing it at exit does not fail again)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except OSError as e:  # `check-config F > /dev/full`: said, not a traceback
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO):
+            raise
+        print(f"thrift-sidecar: cannot write the output: {e.strerror}", file=sys.stderr)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
 

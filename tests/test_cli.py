@@ -215,6 +215,22 @@ def test_check_config_into_a_pipe_closed_early_says_nothing_more():
     assert r.returncode == 1 and r.stderr == "", r.stderr
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+def test_check_config_into_a_full_disk_says_so_in_a_line():
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "proxy", "check-config", "config/example.yaml"], cwd=ROOT,
+                           stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
+    assert r.returncode == 1
+    assert r.stderr == "thrift-sidecar: cannot write the output: No space left on device\n", r.stderr
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "1e300", "soon"])
+def test_demo_client_refuses_an_interval_it_could_not_wait(value):
+    r = _cli("demo-client", "--target", "127.0.0.1:1", "--interval", value)
+    assert r.returncode == 2 and "argument --interval: " in r.stderr, r.stderr
+    assert ("must be 0-86400 seconds" if value != "soon" else "not a number of seconds: 'soon'") in r.stderr
+
+
 def test_version_is_the_installed_package_s():
     from importlib.metadata import version
     r = _cli("--version")
