@@ -395,6 +395,45 @@ def test_file_symlink_swap_is_noticed(tmp_path):
     asyncio.run(main())
 
 
+def test_an_endpoints_file_is_read_and_checked_off_the_loop(tmp_path, monkeypatch):
+    """20,000 endpoints take ~1 s to check: in a worker thread, while the loop goes on (before:
+    on the loop, which served nothing meanwhile)."""
+    import threading
+    from proxy import discovery as discmod
+    path = tmp_path / "eps.yaml"
+    path.write_text("".join(f"- 10.0.{i // 250}.{i % 250 + 1}:9090\n" for i in range(20_000)))
+    where: list[str] = []
+    real = discmod.parse_endpoints_file
+
+    def parse(text):
+        where.append(threading.current_thread().name)
+        return real(text)
+
+    monkeypatch.setattr(discmod, "parse_endpoints_file", parse)
+
+    async def main():
+        cluster = make_cluster(asyncio.get_running_loop())
+        src = FileSource(cluster, path, interval=60)
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.ensure_future(tick())
+        await src.start()
+        ticker.cancel()
+        src.close()
+        return len(keys(cluster)), ticks
+
+    n, ticks = asyncio.run(main())
+    assert n == 20_000
+    assert where and where[0] != threading.main_thread().name, where
+    assert ticks >= 3, ticks  # (the loop ran while the file was checked)
+
+
 def test_bad_or_missing_file_keeps_the_last_good_set(tmp_path, caplog):
     path = tmp_path / "eps.yaml"
     path.write_text("- 10.0.0.1:9090\n- 10.0.0.2:9090\n")
