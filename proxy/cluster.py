@@ -115,13 +115,13 @@ class Cluster:
 
     def why_no_endpoint(self) -> str:
         """Why `pick` found none, for the caller's error (not on the hot path): no endpoints (and
-        what discovery last said), or how many are out and why."""
+        what discovery last said), or how many are out and why; looking changes no breaker."""
         eps = self.endpoints
         if not eps:
             d = self.discovery
             said = f"; {d.kind} discovery: {d.last_error}" if d is not None and d.last_error else ""
             return f"cluster '{self.name}' has no endpoints{said}"
-        ejected = sum(1 for ep in eps if ep.breaker is not None and not ep.breaker.allows())
+        ejected = sum(1 for ep in eps if ep.breaker is not None and not ep.breaker.would_allow())
         unhealthy = sum(1 for ep in eps if not ep.healthy)
         return (f"no endpoint available in cluster '{self.name}': {len(eps)} endpoint(s), "
                 f"{ejected} ejected (breaker open), {unhealthy} failing health checks")

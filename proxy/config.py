@@ -300,6 +300,13 @@ class Reload(_Model):
     watch: StrictBool = False  # also reload when the file changes (SIGHUP always reloads)
 
 
+def _file_cap(value: object) -> int:
+    size = parse_size(value)
+    if 0 < size < 1024 * 1024:
+        raise ValueError("must be 0 (no cap) or at least 1MiB")
+    return size
+
+
 class Tracing(_Model):
     """Without a tracing section the exporter is `none`; with one, it defaults to `otlp`."""
 
@@ -311,6 +318,9 @@ class Tracing(_Model):
     # (else http://localhost:4317 for grpc, http://localhost:4318/v1/traces for http)
     endpoint: Annotated[Text, AfterValidator(_url)] | None = None
     path: OutputPath | None = None  # for jsonl; relative to the working directory (output file)
+    # for jsonl: past this the file is renamed to <path>.1 and a new one begun; 0 = no cap
+    max_file_size: Annotated[int, PlainValidator(_file_cap), PlainSerializer(format_size, when_used="json")] \
+        = 256 * 1024 * 1024
     sample_ratio: Ratio = 0.01
 
     @model_validator(mode="after")

@@ -363,17 +363,22 @@ class JsonLinesSpanExporter(SpanExporter):
     A batch is written as lines of at most LINE_SPANS spans: one `json.dumps` is a single C call
     that holds the GIL throughout, and over a whole 256-call batch (~900 KB) it held the event
     loop up ~17 ms. The lines of one export go out in one write; one that fails part way (a full
-    disk) is cut back to where it began, so the file keeps only whole lines. The file is not
-    rotated or capped: it grows by ~1 KB per traced call (point `path` at a size-managed place,
-    or export OTLP for long runs).
+    disk) is cut back to where it began, so the file keeps only whole lines. It grows by ~1 KB per
+    traced call, up to `max_size` bytes (0: no cap): an export that would pass it first renames
+    the file to `<path>.1` (replacing the one before) and starts a new one, so the spans take at
+    most twice `max_size` of disk. A pipe or FIFO is never rotated.
     """
 
     LINE_SPANS = 64
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, max_size: int = 0) -> None:
         self.path = os.fspath(path)
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.max_size = max_size
+        self._fd: int | None = self._open()
         self._lock = threading.Lock()
+
+    def _open(self) -> int:
+        return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if not spans:
@@ -389,6 +394,14 @@ class JsonLinesSpanExporter(SpanExporter):
                 start: int | None = os.lseek(fd, 0, os.SEEK_END)
             except OSError:  # a pipe, FIFO or tty (/dev/stdout): nothing to cut back
                 start = None
+            if start and self.max_size and start + len(data) > self.max_size:
+                try:  # (another OSError: this export fails; the next tries again)
+                    os.replace(self.path, self.path + ".1")
+                except FileNotFoundError:
+                    pass  # (moved away already, e.g. by logrotate: a new file is begun)
+                self._fd = self._open()
+                os.close(fd)
+                fd, start = self._fd, 0
             try:
                 view = memoryview(data)
                 while view:
@@ -422,7 +435,7 @@ def make_exporter(tracing) -> SpanExporter | None:
     if kind == "none":
         return None
     if kind == "jsonl":
-        return JsonLinesSpanExporter(tracing.path)
+        return JsonLinesSpanExporter(tracing.path, tracing.max_file_size)
     if kind == "console":
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 

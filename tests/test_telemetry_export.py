@@ -206,7 +206,8 @@ def test_service_name_from_config_else_the_otel_environment(tmp_path, monkeypatc
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     path = tmp_path / "spans.jsonl"
-    t = Telemetry(SimpleNamespace(service_name=configured, exporter="jsonl", path=path, sample_ratio=1.0),
+    t = Telemetry(SimpleNamespace(service_name=configured, exporter="jsonl", path=path, max_file_size=0,
+                                  sample_ratio=1.0),
                   rng=random.Random(9), interval=0.01)
     t.finished(fx.call_success(), "UserService", "users")
     assert t.flush(5.0) and t.shutdown(5.0)
@@ -245,7 +246,7 @@ HEX16 = re.compile(r"[0-9a-f]{16}")
 
 def test_jsonl_span_file(tmp_path):
     path = tmp_path / "spans.jsonl"
-    cfg = SimpleNamespace(service_name="sidecar-file", exporter="jsonl", path=path, sample_ratio=1.0)
+    cfg = SimpleNamespace(service_name="sidecar-file", exporter="jsonl", path=path, max_file_size=0, sample_ratio=1.0)
     t = Telemetry(cfg, rng=random.Random(9), interval=0.01)
     assert isinstance(t.exporter, JsonLinesSpanExporter)
     calls = [fx.call_success(), fx.call_retry(), fx.call_timeout()]
@@ -324,6 +325,35 @@ def test_jsonl_writes_a_large_batch_as_short_lines_and_never_half_a_line(tmp_pat
     assert exporter.export(built[:8]) is SpanExportResult.FAILURE
 
 
+def test_jsonl_span_file_is_rotated_at_its_cap_and_keeps_one_older_file(tmp_path):
+    """Before, the file grew ~1 KB per traced call with no bound (a full disk, in time)."""
+    path = tmp_path / "spans.jsonl"
+    t = Telemetry(SimpleNamespace(service_name="s", exporter="none", sample_ratio=1.0), rng=random.Random(5))
+    batch = [s for c in [fx.call_success() for _ in range(8)] for s in t.build_spans(c, "UserService")]
+    exporter = JsonLinesSpanExporter(path, max_size=64 * 1024)
+    exports = 0
+    while not (tmp_path / "spans.jsonl.1").exists():
+        assert exporter.export(batch) is SpanExportResult.SUCCESS
+        exports += 1
+        assert exports < 1000
+    assert 0 < (tmp_path / "spans.jsonl.1").stat().st_size <= 64 * 1024 and path.stat().st_size <= 64 * 1024
+    rotations = 0
+    for _ in range(exports * 3):  # more than two files' worth: the oldest is gone
+        before = path.stat().st_size
+        assert exporter.export(batch) is SpanExportResult.SUCCESS
+        rotations += path.stat().st_size < before
+        assert path.stat().st_size <= 64 * 1024 and (tmp_path / "spans.jsonl.1").stat().st_size <= 64 * 1024
+    assert rotations >= 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spans.jsonl", "spans.jsonl.1"]
+    for name in ("spans.jsonl", "spans.jsonl.1"):  # whole lines, each a request `hops` reads
+        assert all(json.loads(line)["resourceSpans"] for line in (tmp_path / name).read_text().splitlines())
+    os.rename(path, tmp_path / "moved.jsonl")  # someone else rotated it: a new file is begun
+    for _ in range(exports + 1):
+        assert exporter.export(batch) is SpanExportResult.SUCCESS
+    assert path.exists()
+    exporter.shutdown()
+
+
 def test_jsonl_span_file_may_be_a_pipe(tmp_path):
     """`tracing.path: /dev/stdout` in a container, or a FIFO into a reader: no seeking there
     (a review caught lseek's ESPIPE failing every export)."""
@@ -348,7 +378,7 @@ def test_jsonl_span_file_may_be_a_pipe(tmp_path):
 def test_make_exporter_by_config(tmp_path):
     def cfg(**kw):
         base = dict(service_name="s", exporter="none", otlp_protocol="grpc", endpoint=None,
-                    path=None, sample_ratio=0.01)
+                    path=None, max_file_size=0, sample_ratio=0.01)
         return SimpleNamespace(**{**base, **kw})
 
     assert make_exporter(None) is None
