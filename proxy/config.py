@@ -559,9 +559,14 @@ def _at_least(floor: float, why: str):
     return Annotated[float, PlainValidator(check), PlainSerializer(format_duration, when_used="json")]
 
 
+DnsRefresh = _at_least(0.1, "a lookup per endpoint source that often is load, not freshness")
+CheckInterval = _at_least(0.01, "each check is a connection and a call per endpoint")
+CheckTimeout = _at_least(0.001, "no connect and call can be done sooner")
+
+
 class DnsEndpoints(_Model):
     name: EndpointAddress  # host:port; every A/AAAA record becomes an endpoint on that port
-    refresh: _at_least(0.1, "a lookup per endpoint source that often is load, not freshness") = 5.0  # type: ignore[valid-type]
+    refresh: DnsRefresh = 5.0
 
 
 class Endpoints(_Model):
@@ -656,8 +661,8 @@ class CircuitBreaker(_Model):
 
 
 class HealthCheck(_Model):
-    interval: _at_least(0.01, "each check is a connection and a call per endpoint") = 5.0  # type: ignore[valid-type]
-    timeout: _at_least(0.001, "no connect and call can be done sooner") = 1.0  # type: ignore[valid-type]
+    interval: CheckInterval = 5.0
+    timeout: CheckTimeout = 1.0
     method: Text = "ping"
 
     @model_validator(mode="after")
