@@ -16,13 +16,16 @@ Only the file's own services count (an `extends` brings the parent's methods in)
 sit in included files alone are not this listener's. Includes resolve against the including
 file's folder, then the top file's folder — never the working directory. A parse reads the
 files every time (a reload sees an edited include): thriftpy2's module cache is left as found.
-Before the parser opens any file, each one the includes bring in must be a regular file of at
-most MAX_IDL_FILE bytes (a FIFO would hold the reading thread in `open()`).
+Every file the parser opens goes through `_Opener`: a regular file of at most MAX_IDL_FILE bytes
+(a FIFO would hold the reading thread in `open()`), MAX_IDL_FILES and MAX_IDL_BYTES in all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import errno
+import io
 import os
 import re
 from dataclasses import dataclass
@@ -131,20 +134,23 @@ def load(path: str | os.PathLike) -> Idl:
         raise IdlError(shown, None, "no such file")
     if not top.endswith(".thrift"):
         raise IdlError(shown, None, "an IDL file name must end with .thrift")
-    _check_files(shown, top)
-    lock = getattr(tp, "_parse_lock", None)
+    lock = getattr(tp, "_parse_lock", None) or contextlib.nullcontext()
     cache = getattr(tp, "_thrift_cache", None)
     try:
-        if lock is not None and isinstance(cache, dict):
-            with lock:  # includes are cached by module name: keep none of ours there
-                saved = dict(cache)
-                try:
-                    module = tp.parse(top, include_dirs=[os.path.dirname(top)], enable_cache=False)
-                finally:
+        with lock:  # (the parser's own lock: what it shares, and `open`, are ours meanwhile)
+            saved = dict(cache) if isinstance(cache, dict) else None  # includes are cached by
+            had = tp.__dict__.get("open")                             # name: keep none of ours
+            tp.open = _Opener(shown, top)
+            try:
+                module = tp.parse(top, include_dirs=[os.path.dirname(top)], enable_cache=False)
+            finally:
+                if had is None:
+                    del tp.open
+                else:
+                    tp.open = had
+                if saved is not None:
                     cache.clear()
                     cache.update(saved)
-        else:
-            module = tp.parse(top, include_dirs=[os.path.dirname(top)], enable_cache=False)
     except ThriftParserError as e:
         raise _parse_error(shown, top, str(e)) from None
     except OSError as e:
@@ -165,52 +171,40 @@ def load(path: str | os.PathLike) -> Idl:
 
 
 MAX_IDL_FILE = 4 * 1024 * 1024  # bytes in one IDL file (a large service's IDL is ~100 KB)
-MAX_IDL_FILES = 1000  # files one IDL may bring in through its includes, itself counted
-
-# A comment, or a string (kept: an include's name is one), or `include "name"`.
-_TOKENS = re.compile(r"""/\*.*?\*/|//[^\n]*|#[^\n]*|"[^"]*"|'[^']*'""", re.S)
-_INCLUDE = re.compile(r"""(?<![\w.])include\s+("[^"]*"|'[^']*')""")
+MAX_IDL_BYTES = 16 * 1024 * 1024  # bytes of all the files one parse opens
+MAX_IDL_FILES = 256  # files one parse may open, the top one counted (each time it is reached)
 
 
-def _check_files(shown: str, top: str) -> None:
-    """Refuse, before the parser opens any of them, an IDL whose own file or any file its
-    includes bring in is not a regular file (a FIFO would hold the reading thread in `open()`
-    until a writer came; a device is endless), is larger than MAX_IDL_FILE, or whose includes
-    bring in more than MAX_IDL_FILES files.
+class _Opener:
+    """thriftpy2's `open` while it parses one IDL (it opens the top file and every include
+    through that name). Each file must be a regular file (a FIFO would hold the parsing thread
+    in `open()` until some writer came; a device is endless) of at most MAX_IDL_FILE bytes; one
+    parse opens at most MAX_IDL_FILES files and MAX_IDL_BYTES (includes reached by many paths
+    are parsed once per path). It is read here, whole, and handed over as text."""
 
-    Includes are found the parser's way: the name is tried in the including file's folder,
-    then the top file's; the first that exists is the one read. A name found nowhere is left
-    for the parser to report, with its line."""
-    from proxy.config import read_regular  # (the O_NONBLOCK read the config's own files get)
+    def __init__(self, shown: str, top: str) -> None:
+        self.shown, self.top = shown, top
+        self.files = self.bytes = 0
 
-    seen: set[str] = set()
-    todo = [top]
-    while todo:
-        path = todo.pop()
-        real = os.path.realpath(path)
-        if real in seen:
-            continue
-        seen.add(real)
-        if len(seen) > MAX_IDL_FILES:
-            raise IdlError(shown, None, f"its includes bring in more than {MAX_IDL_FILES} files")
-        name = shown if path == top else path
-        try:
-            raw, kind = read_regular(path, MAX_IDL_FILE + 1)
-        except OSError as e:
-            raise IdlError(name, None, e.strerror or str(e)) from None
+    def __call__(self, file: str, mode: str = "r", buffering: int = -1, encoding: str | None = None,
+                 **_: Any) -> io.StringIO:
+        from proxy.config import read_regular  # (the O_NONBLOCK read the config's own files get)
+
+        name = self.shown if file == self.top else file
+        via = "" if file == self.top else f" (included by way of {self.shown})"
+        self.files += 1
+        if self.files > MAX_IDL_FILES:
+            raise OSError(errno.EMLINK, f"its includes open more than {MAX_IDL_FILES} files", self.shown)
+        raw, kind = read_regular(file, MAX_IDL_FILE + 1)
         if kind is not None:
-            raise IdlError(name, None, f"must be a regular file; it is {kind}"
-                           + ("" if path == top else f" (included by way of {shown})"))
+            raise OSError(errno.EINVAL, f"must be a regular file; it is {kind}{via}", name)
         if len(raw) > MAX_IDL_FILE:
-            raise IdlError(name, None, f"larger than {MAX_IDL_FILE // (1024 * 1024)} MiB")
-        text = _TOKENS.sub(lambda m: m.group() if m.group()[0] in "\"'" else " ",
-                           raw.decode("utf-8", "replace"))
-        for m in _INCLUDE.finditer(text):
-            for folder in (os.path.dirname(path), os.path.dirname(top)):
-                candidate = os.path.join(folder, m.group(1)[1:-1])
-                if os.path.exists(candidate):
-                    todo.append(candidate)
-                    break
+            raise OSError(errno.EFBIG, f"larger than {MAX_IDL_FILE // (1024 * 1024)} MiB{via}", name)
+        self.bytes += len(raw)
+        if self.bytes > MAX_IDL_BYTES:
+            raise OSError(errno.EFBIG, f"its includes come to more than {MAX_IDL_BYTES // (1024 * 1024)} MiB "
+                                       "(an include reached by many paths is read once per path)", self.shown)
+        return io.StringIO(raw.decode(encoding or "utf-8"))
 
 
 def _parse_error(shown: str, top: str, text: str) -> IdlError:

@@ -34,6 +34,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -63,6 +64,7 @@ log = logging.getLogger("proxy")
 DRAIN_GRACE = 1.0  # seconds without any client connection before a drain ends
 SPAN_FLUSH_TIMEOUT = 5.0  # seconds to export queued spans at shutdown
 WATCH_INTERVAL = 1.0  # seconds between config file checks (reload: {watch: true})
+RELOAD_READ_TIMEOUT = 30.0  # seconds a reload's file may take to be read and checked
 RETIRED_QUIET = 2.0  # seconds a connection of a listener a reload removed may sit idle before it is closed
 RETIRE_POLL = 0.1  # seconds between checks whether retired clusters and listeners are still used
 
@@ -102,6 +104,35 @@ class ListenError(StartError):
     def of_listener(cls, i: int, lc: cfgmod.Listener, error: OSError, why_more: str = "") -> ListenError:
         """Listener `i` (`lc`, of the config) cannot listen on its address."""
         return cls(("listeners", i, "listen"), lc.listen.host, lc.listen.port, error, why_more)
+
+
+async def _in_own_thread(fn, timeout: float):
+    """`fn()` in a new daemon thread: its result or exception, or TimeoutError after `timeout`
+    seconds (the thread is then left to finish; being a daemon, it never holds up the exit,
+    as a stuck thread of the loop's default executor would)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(result, error) -> None:
+        if not done.done():
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits
+            pass
+
+    threading.Thread(target=run, name="reload-read", daemon=True).start()
+    async with asyncio.timeout(timeout):
+        return await done  # (a timeout cancels it: a late result is dropped by `settle`)
 
 
 class _Slot:
@@ -435,8 +466,10 @@ class Server:
     async def reload(self) -> bool:
         """Re-read the config file; apply it if valid, else log its errors and keep serving.
 
-        The file is read and checked (YAML, every rule, the IDLs it names) in a worker thread,
-        so a large config does not hold the loop; reloads run one at a time, in the order asked."""
+        The file is read and checked (YAML, every rule, the IDLs it names) in a thread of its
+        own, so a large config does not hold the loop, and given RELOAD_READ_TIMEOUT: a check
+        that hangs fails its reload instead of every later one, and cannot hold up the exit (a
+        daemon thread). Reloads run one at a time, in the order asked."""
         if not self.path:
             return False
         async with self._read_lock:
@@ -447,7 +480,12 @@ class Server:
             log.warning("reload of %s ignored: the proxy is draining to stop", self.path)
             return False
         try:
-            config = await asyncio.to_thread(cfgmod.load, self.path, True)
+            config = await _in_own_thread(lambda: cfgmod.load(self.path, again=True), RELOAD_READ_TIMEOUT)
+        except TimeoutError:
+            self.reloads["failed"] += 1
+            log.error("reload rejected: reading and checking %s took more than %gs (left to finish in its "
+                      "thread); the old config keeps serving", self.path, RELOAD_READ_TIMEOUT)
+            return False
         except cfgmod.ConfigError as e:
             self.reloads["failed"] += 1
             log.error("reload rejected: %s has %d error(s); the old config keeps serving",
@@ -563,6 +601,8 @@ class Server:
                     self._stop_checker(checker)
                 c.retire()  # discovery stops now; its pools close once no call is on it
                 self._retiring.append(c)
+            if self._retire_timer is not None:  # (one chain of sweeps, however many reloads)
+                self._retire_timer.cancel()
             self._sweep_retired()
             self._set_watch(config)
             self.config = self._changed_at_restart(prev_config, config)
@@ -668,7 +708,10 @@ class Server:
             if now < deadline:
                 continue
             for conn in list(state.connections):
-                if not conn.closing:  # (a closing one closes once its calls are answered)
+                # (every one, also one closing once its calls are answered: a client that
+                # half-closed after its request waits for it; not one shut down already)
+                t = conn.transport
+                if t is not None and not t.is_closing():
                     conn.shut_down(f"drain_timeout {timeout:g}s passed",
                                    f"its listener {state.settings.name} was removed by a reload")
         self._retired_listeners = [s for s in self._retired_listeners if s.connections]

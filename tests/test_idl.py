@@ -189,6 +189,8 @@ def _load_in_a_thread(path: Path, fifo: Path) -> IdlError | Exception | None:
 
 @pytest.mark.parametrize("top", [
     'include "pipe.thrift"\nservice S { void f() }\n',
+    'include"pipe.thrift"\nservice S { void f() }\n',  # (no space: the parser's tokens need none)
+    'cpp_include "x\\" /*"\ninclude "pipe.thrift"\ncpp_include "*/"\nservice S { void f() }\n',
     'include "sub/ok.thrift"\nservice S { void f() }\n',   # (sub/ok.thrift includes it)
 ])
 def test_an_include_that_is_a_fifo_is_refused_before_anything_opens_it(tmp_path, top):
@@ -198,6 +200,16 @@ def test_an_include_that_is_a_fifo_is_refused_before_anything_opens_it(tmp_path,
     assert isinstance(e, IdlError), e
     assert str(e).startswith(f"{tmp_path / 'pipe.thrift'}: must be a regular file; it is a FIFO"), str(e)
     assert str(e).endswith(f"(included by way of {tmp_path / 'x.thrift'})"), str(e)
+
+
+def test_includes_that_open_too_many_files_are_refused(tmp_path):
+    from proxy.idl import MAX_IDL_FILES
+    files = {f"t{i}.thrift": f"struct T{i} {{ 1: i32 x }}\n" for i in range(MAX_IDL_FILES)}
+    files["x.thrift"] = "".join(f'include "t{i}.thrift"\n' for i in range(MAX_IDL_FILES)) + "service S { void f() }\n"
+    _write(tmp_path, files)
+    with pytest.raises(IdlError) as e:
+        load(tmp_path / "x.thrift")
+    assert str(e.value) == f"{tmp_path / 'x.thrift'}: its includes open more than {MAX_IDL_FILES} files"
 
 
 def test_an_include_in_a_comment_or_a_string_is_not_followed(tmp_path):

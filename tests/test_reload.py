@@ -18,7 +18,8 @@ import pytest
 from thrift.Thrift import TApplicationException
 
 from harness import (Handler, Proxy, ProxyProcess, ThriftServer, client, free_ports,
-                     listening, wait_for)
+                     listening, read_messages, request_bytes, wait_for)
+from proxy.codec import MessageType
 
 
 def _load(text: str):
@@ -754,9 +755,13 @@ def test_a_removed_listeners_connections_close_when_quiet_and_at_drain_timeout(m
             busy, quiet, slow = client(port), client(port), client(port)
             for c in (busy, quiet, slow):
                 assert c.lookup("k") == "upstream:k"
+            half = socket.create_connection(("127.0.0.1", port))
             assert _apply(p, _one_listener("test_v2", port2, other.address, top="drain_timeout: 4s"))
             t0 = time.monotonic()
             threads, out = _concurrently([lambda: slow.sleep(8000)])
+            # a client that sends its call and half-closes: its connection is closing, its call open
+            half.sendall(request_bytes("framed", "binary", "sleep", 8000, seqid=5))
+            half.shutdown(socket.SHUT_WR)
             for _ in range(8):  # a call every 0.25 s: never quiet for 0.6 s
                 assert busy.lookup("k") == "upstream:k"
                 time.sleep(0.25)
@@ -772,8 +777,71 @@ def test_a_removed_listeners_connections_close_when_quiet_and_at_drain_timeout(m
                 "thrift-sidecar: may have run: its listener test was removed by a reload before its reply "
                 "(drain_timeout 4s passed)"), out
             assert 3.5 <= took < 8.0, took  # (at the drain deadline, not the call's 8 s)
+            half.settimeout(5)
+            (answer,) = read_messages(half, 1)
+            assert (answer.seqid, answer.type) == (5, MessageType.EXCEPTION)
+            assert b"removed by a reload before its reply (drain_timeout 4s passed)" in answer.data
+            half.close()
             wait_for(lambda: _snapshot(p)["retired_listeners"] == [] and _snapshot(p)["retiring_clusters"] == [],
                      what="the retired listener and cluster to go")
     finally:
         up.stop()
         other.stop()
+
+
+def test_reloads_while_a_listener_drains_keep_one_chain_of_sweeps(monkeypatch):
+    """Each reload swept retired listeners and clusters at once and started another 100 ms
+    chain of sweeps: five reloads, five chains (49 sweeps a second)."""
+    from proxy import server as servermod
+    up = ThriftServer()
+    port, port2 = free_ports(2)
+    try:
+        with Proxy(_one_listener("test", port, up.address)) as p:
+            kept = client(port)
+            assert kept.lookup("k") == "upstream:k"
+            threads, out = _concurrently([lambda: kept.sleep(3000)])  # (keeps the retired listener)
+            wait_for(lambda: up.handler.calls >= 2, what="the slow call at the upstream")
+            for i in range(5):
+                assert _apply(p, _one_listener(f"v{i}", port2, up.address))
+            sweeps = []
+            real = servermod.Server._sweep_retired
+            monkeypatch.setattr(servermod.Server, "_sweep_retired",
+                                lambda self: (sweeps.append(time.monotonic()), real(self)))
+            time.sleep(1.0)
+            n = len(sweeps)
+            threads[0].join(10)
+            assert out == [("ok", 3000)]
+            assert 1 <= n <= 1.0 / servermod.RETIRE_POLL + 3, n
+            kept.close()
+    finally:
+        up.stop()
+
+
+def test_a_reload_whose_file_takes_too_long_to_check_fails_and_the_next_one_works(tmp_path, monkeypatch, caplog):
+    from proxy import server as servermod
+    monkeypatch.setattr(servermod, "RELOAD_READ_TIMEOUT", 0.3)
+    up = ThriftServer()
+    port = free_ports(1)[0]
+    path = tmp_path / "sidecar.yaml"
+    text = _one_listener("test", port, up.address)
+    path.write_text(text)
+    # an IDL whose ~200 includes take the parser well over 0.3 s (a real parse, not a stand-in)
+    for i in range(200):
+        (tmp_path / f"t{i}.thrift").write_text(f"struct T{i} {{ 1: i32 x, 2: string y }}\n")
+    (tmp_path / "svc.thrift").write_text("".join(f'include "t{i}.thrift"\n' for i in range(200))
+                                         + "service TestService { string lookup(1: string key) }\n")
+    try:
+        with Proxy(text, path=str(path)) as p:
+            path.write_text(_one_listener("test", port, up.address, listener_extra=f"\n    idl: {tmp_path / 'svc.thrift'}"))
+            t0 = time.monotonic()
+            assert not asyncio.run_coroutine_threadsafe(p.server.reload(), p.loop).result(20)
+            assert time.monotonic() - t0 < 3
+            assert any("took more than 0.3s" in r.getMessage() for r in caplog.records)
+            with client(port) as c:
+                assert c.lookup("k") == "upstream:k"
+            monkeypatch.setattr(servermod, "RELOAD_READ_TIMEOUT", 30.0)
+            path.write_text(text.replace("round_robin", "random"))
+            assert asyncio.run_coroutine_threadsafe(p.server.reload(), p.loop).result(40)
+            assert p.server.config.clusters[0].load_balancer == "random"
+    finally:
+        up.stop()
