@@ -246,11 +246,11 @@ class Attempt(Exchange):
     def start_stream(self, head) -> bool | str:
         return self.call.pipeline.stream_start(self, head)
 
-    def read_whole_now(self, head) -> bool:
+    def read_whole_now(self, head, force: bool = False) -> bool:
         call = self.call
         if call.cancelled or self is not call.attempt:
             return True  # (nobody waits for it: read whole and dropped)
-        return call.conn.wait_whole(call, head.total, pressed=True)
+        return call.conn.wait_whole(call, head.total, pressed=True, force=force)
 
     def held_for(self, ns: int) -> None:
         # held unread behind the client's earlier calls: the client's doing (client_paused_ms;

@@ -179,6 +179,7 @@ class Source:
     def __init__(self, cluster) -> None:
         self.cluster = cluster
         self.task: asyncio.Task | None = None
+        self.closed = False  # (a round still running then changes nothing, and starts no loop)
         self.current: tuple[Spec, ...] | None = None  # the last good set, sorted
         self.last_error: str | None = None
         self.updates = 0
@@ -197,9 +198,11 @@ class Source:
 
     async def start(self) -> None:
         await self.refresh()
-        self.task = asyncio.get_running_loop().create_task(self._loop(), name=f"discovery:{self.cluster.name}")
+        if not self.closed:  # (closed while the first round ran: a reload or a stop came)
+            self.task = asyncio.get_running_loop().create_task(self._loop(), name=f"discovery:{self.cluster.name}")
 
     def close(self) -> None:
+        self.closed = True
         if self.task is not None:
             self.task.cancel()
             self.task = None
@@ -213,7 +216,10 @@ class Source:
     # -- shared bookkeeping ---------------------------------------------------
 
     def apply(self, specs: Iterable[Spec], origin: str) -> bool:
-        """A good set: hand it to the cluster if it differs from the current one."""
+        """A good set: hand it to the cluster if it differs from the current one (not once
+        the source is closed: a round that finishes after it hands nothing on)."""
+        if self.closed:
+            return False
         if self.last_error is not None:
             log.info("cluster %s: %s works again", self.cluster.name, origin)
         self.last_error = None

@@ -32,6 +32,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import stat
 import os
 import sys
 import threading
@@ -394,13 +395,7 @@ class JsonLinesSpanExporter(SpanExporter):
                 start: int | None = os.lseek(fd, 0, os.SEEK_END)
             except OSError:  # a pipe, FIFO or tty (/dev/stdout): nothing to cut back
                 start = None
-            if start and self.max_size and start + len(data) > self.max_size:
-                try:  # (another OSError: this export fails; the next tries again)
-                    os.replace(self.path, self.path + ".1")
-                except FileNotFoundError:
-                    pass  # (moved away already, e.g. by logrotate: a new file is begun)
-                self._fd = self._open()
-                os.close(fd)
+            if start and self.max_size and start + len(data) > self.max_size and self._rotate(fd):
                 fd, start = self._fd, 0
             try:
                 view = memoryview(data)
@@ -414,6 +409,35 @@ class JsonLinesSpanExporter(SpanExporter):
                         pass
                 raise
         return SpanExportResult.SUCCESS
+
+    def _rotate(self, fd: int) -> bool:
+        """`path` → `path.1`, and a new file at `path` (True). Only a regular file that `path`
+        itself names (not through a symlink: `/dev/stdout` is renamed by no one) is rotated; one
+        that cannot be renamed (a folder without write permission) is appended to past the cap,
+        said once (False)."""
+        try:
+            mine, there = os.fstat(fd), os.lstat(self.path)
+        except FileNotFoundError:  # moved away already (e.g. by logrotate): begin a new one
+            mine = there = None
+        if mine is not None and (not stat.S_ISREG(mine.st_mode) or stat.S_ISLNK(there.st_mode)
+                                 or (mine.st_dev, mine.st_ino) != (there.st_dev, there.st_ino)):
+            self.max_size = 0
+            log.warning("span file %s is not a regular file of its own (a symlink, a device, or replaced): "
+                        "it is not rotated", self.path)
+            return False
+        if mine is not None:
+            try:
+                os.replace(self.path, self.path + ".1")
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                self.max_size = 0
+                log.warning("span file %s cannot be rotated (%s): it grows past max_file_size", self.path,
+                            e.strerror or e)
+                return False
+        self._fd = self._open()
+        os.close(fd)
+        return True
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True  # every export is written (unbuffered) before it returns

@@ -637,19 +637,23 @@ class ClientConnection(asyncio.Protocol):
         t = self.transport
         return t is not None and not t.is_closing() and call in self.queue
 
-    def wait_whole(self, call: Call, size: int | None, pressed: bool = False) -> bool:
+    def wait_whole(self, call: Call, size: int | None, pressed: bool = False, force: bool = False) -> bool:
         """May `call`'s large reply (`size` bytes; None: unframed, not known) behind earlier
         calls be read whole to wait its turn? Yes while this connection's replies read whole for
         that stay within WAITING_REPLY_BUDGET, and all the proxy's within its WaitingBudget
         (reading it frees its upstream connection at once: a client pipelining many calls does
         not hold as many connections); else it waits unread. `pressed`: calls wait for that
-        upstream connection (Pool.acquire), so only the proxy's budget applies."""
+        upstream connection (Pool.relieve), so only the proxy's budget applies (an unframed
+        reply, whose size is not known, is let in while that has room, counted as 0); `force`:
+        none does (counted all the same)."""
         if size is None:
-            return False
+            if not (force or (pressed and self.state.waiting.used < self.state.waiting.limit)):
+                return False
+            size = 0
         have = self._waiting.get(call, 0)
         shared = self.state.waiting
-        if ((not pressed and self._waiting_bytes - have + size > WAITING_REPLY_BUDGET)
-                or shared.used - have + size > shared.limit):
+        if not force and ((not pressed and self._waiting_bytes - have + size > WAITING_REPLY_BUDGET)
+                          or shared.used - have + size > shared.limit):
             return False
         self._waiting[call] = size
         self._waiting_bytes += size - have

@@ -187,11 +187,24 @@ class Pool:
     def _wait_for_release(self, w: Waiter) -> None:
         """`w` counts on no connect: a busy connection must come free within acquire_timeout."""
         w.timer = self.loop.call_later(self.settings.acquire_timeout, self._acquire_timeout, w)
-        # A connection only holds a reply unread to spare the proxy's memory: under pressure
-        # one reads that reply whole instead (if that memory allows), then serves this waiter.
-        for conn in list(self.held):
+        self.relieve()
+
+    def relieve(self) -> None:
+        """Calls wait for a connection: a connection holding a large reply unread for its turn
+        (only to spare the proxy's memory) reads it whole instead, then serves them, if the
+        memory for replies waiting their turn allows (smallest first). When it does not, and
+        every connection of the pool holds a reply, the smallest is read whole all the same:
+        none of them would come free by itself (the calls they wait behind may be the very
+        calls waiting here: a retry of a client's earlier call, behind its own later call's
+        reply)."""
+        if not self.held or not self.waiters:
+            return
+        held = sorted(self.held, key=lambda c: c.held_size())
+        for conn in held:
             if conn.read_held_whole():
-                break
+                return
+        if len(held) >= self.open:
+            held[0].read_held_whole(force=True)
 
     def release(self, conn: UpstreamConnection) -> None:
         if conn.closed:

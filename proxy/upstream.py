@@ -131,10 +131,11 @@ class Exchange:
     def held_for(self, ns: int) -> None:  # pragma: no cover - interface
         """The reply was held unread for its turn this long (however the hold ended)."""
 
-    def read_whole_now(self, head: StreamHead) -> bool:  # pragma: no cover - interface
+    def read_whole_now(self, head: StreamHead, force: bool = False) -> bool:  # pragma: no cover - interface
         """Calls wait for this upstream connection: may the reply it would hold unread for its
         turn be read whole instead, to free the connection? (No when memory for replies waiting
-        their turn is short: then it stays held, and the calls wait for another connection.)"""
+        their turn is short, unless `force`: then it stays held, and the calls wait for another
+        connection.)"""
         return True
 
     def stream_data(self, data) -> int:  # pragma: no cover - interface
@@ -341,11 +342,14 @@ class UpstreamConnection(asyncio.Protocol):
         a connection of this pool, if the exchange may read it whole instead (False: as under
         Pool.acquire's pressure): holding spares the proxy's memory, and costs other calls only
         when that memory is short."""
-        if self.pool.waiters and self.exchange_.read_whole_now(head):
+        pool = self.pool
+        if pool.waiters and self.exchange_.read_whole_now(head):
             return False
         self.turn = (head, buf)
         self.turn_since = monotonic_ns()
-        self.pool.held.add(self)
+        pool.held.add(self)
+        if pool.waiters:  # (then: every connection of the pool may be holding now)
+            pool.loop.call_soon(pool.relieve)
         if self._may_stream:
             self._may_stream = False
         self.transport.pause_reading()  # (not `paused`: that is the client's backpressure)
@@ -380,12 +384,18 @@ class UpstreamConnection(asyncio.Protocol):
             go = False
         self._go_on(ex, head, buf, go)
 
-    def read_held_whole(self) -> bool:
+    def held_size(self) -> float:
+        """The held reply's size (inf: unframed, not known; or none held)."""
+        total = self.turn[0].total if self.turn is not None else None
+        return float("inf") if total is None else total
+
+    def read_held_whole(self, force: bool = False) -> bool:
         """Read the held reply whole now, not waiting for its turn (its pool needs this
-        connection back sooner: Pool.acquire), if the exchange may (`read_whole_now`); it then
-        waits its turn as any reply read whole. False: it stays held."""
+        connection back sooner: Pool.relieve), if the exchange may (`read_whole_now`; `force`:
+        whatever the memory budget says); it then waits its turn as any reply read whole.
+        False: it stays held."""
         ex = self.exchange_
-        if self.turn is None or ex is None or self.closed or not ex.read_whole_now(self.turn[0]):
+        if self.turn is None or ex is None or self.closed or not ex.read_whole_now(self.turn[0], force):
             return False
         head, buf = self._end_hold()
         self._go_on(ex, head, buf, False)

@@ -434,6 +434,27 @@ def test_an_endpoints_file_is_read_and_checked_off_the_loop(tmp_path, monkeypatc
     assert ticks >= 3, ticks  # (the loop ran while the file was checked)
 
 
+def test_a_source_closed_during_its_first_round_starts_no_loop_and_sets_nothing(tmp_path):
+    """A stop or reload closes the source while its first round reads the file (in a thread):
+    the round's result is dropped and no discovery task is left running (a review found one)."""
+    path = tmp_path / "eps.yaml"
+    path.write_text("".join(f"- 10.1.{i // 250}.{i % 250 + 1}:9090\n" for i in range(20_000)))
+
+    async def main():
+        cluster = make_cluster(asyncio.get_running_loop())
+        src = FileSource(cluster, path, interval=0.02)
+        starting = asyncio.ensure_future(src.start())
+        await asyncio.sleep(0.05)
+        assert not starting.done()  # (still checking the file)
+        src.close()
+        await starting
+        await asyncio.sleep(0.1)
+        return src.task, keys(cluster)
+
+    task, endpoints = asyncio.run(main())
+    assert task is None and endpoints == []
+
+
 def test_bad_or_missing_file_keeps_the_last_good_set(tmp_path, caplog):
     path = tmp_path / "eps.yaml"
     path.write_text("- 10.0.0.1:9090\n- 10.0.0.2:9090\n")

@@ -1345,3 +1345,97 @@ def test_slow_reader_of_a_buffered_stream_gets_everything():
             assert p.server.listeners["test"].pipeline.stats["timeouts"] == 0
     finally:
         up.close()
+
+
+class _LosesFirstSleep(RawBigUpstream):
+    """The first `sleep` request is lost (the connection closes 0.2 s after it, no reply);
+    later ones are answered at once; `echo` gets the large reply."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.lost = False
+
+    def _one(self, c):
+        with c:
+            for name, seqid in self.requests(c):
+                if name == b"sleep":
+                    if not self.lost:
+                        self.lost = True
+                        time.sleep(0.2)
+                        return
+                    c.sendall(reply_bytes(name, seqid))
+                    continue
+                if not self._big(c, name, seqid):
+                    return
+
+
+def test_a_retry_behind_its_clients_own_held_reply_gets_that_connection_past_the_budget():
+    """One pool connection. A client pipelines sleep and echo; the sleep's first attempt is lost
+    and, meanwhile, the echo takes the connection and its 20 MB reply is held for its turn
+    (behind the sleep). The sleep's retry waits for that connection, which would come free only
+    after the retry: it is read whole past the proxy's budget (10 MB here), and both calls
+    succeed. Before (the budget without this), the retry failed at acquire_timeout."""
+    up = _LosesFirstSleep(20_000_000)
+    text = _big_config(up.address, extra_cluster="\n    pool: {max_connections: 1, acquire_timeout: 3s}").replace(
+        "      - cluster: up",
+        "      - cluster: up\n        retry: {attempts: 2, idempotent: true, backoff: {base: 50ms, max: 50ms}}")
+    try:
+        with Proxy(text) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            p.server.waiting.limit = 10_000_000
+            with socket.create_connection(("127.0.0.1", p.port())) as a:
+                t0 = time.monotonic()
+                a.sendall(request_bytes("framed", "binary", "sleep", 10, seqid=1)
+                          + request_bytes("framed", "binary", "echo", b"", seqid=2))
+                a.settimeout(20)
+                first, second = read_messages(a, 2, max_size=64 << 20)
+                took = time.monotonic() - t0
+            assert (first.seqid, first.type) == (1, MessageType.REPLY), first.data[:200]
+            assert (second.seqid, second.type, len(second.data)) == (2, MessageType.REPLY, 20_000_028)
+            assert took < 2.5, took  # (not the 3 s acquire_timeout)
+            time.sleep(0.2)
+            assert p.server.waiting.used == 0
+    finally:
+        up.close()
+    assert sorted(c.outcome for c in done) == ["success", "success"]
+
+
+class _SlowSleepBuffered(RawUpstream):
+    """Unframed: `sleep` answered after 1.5 s, `echo` with a 300 KB reply, the rest at once."""
+
+    def _one(self, c):
+        with c:
+            for name, seqid in self.requests(c, "buffered"):
+                if name == b"sleep":
+                    time.sleep(1.5)
+                payload = b"x" * (300_000 if name == b"echo" else 3)
+                c.sendall(reply_bytes(name, seqid, payload)[4:])
+
+
+def test_an_unframed_held_reply_is_read_whole_for_another_clients_call():
+    """A buffered upstream: the 300 KB echo reply behind a slow sleep is held (its size is not
+    known up front); another client's ping that needs a connection gets the echo's at once,
+    the reply read whole while the proxy's budget has room (before: it waited for the sleep)."""
+    up = _SlowSleepBuffered()
+    text = config_text([up.address], cluster_transport="buffered",
+                       extra_cluster="\n    pool: {max_connections: 2, acquire_timeout: 5s}")
+    try:
+        with Proxy(text) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as a:
+                a.sendall(request_bytes("framed", "binary", "sleep", 1500, seqid=1)
+                          + request_bytes("framed", "binary", "echo", b"", seqid=2))
+                time.sleep(0.4)
+                with socket.create_connection(("127.0.0.1", p.port())) as b:
+                    t0 = time.monotonic()
+                    b.sendall(request_bytes("framed", "binary", "ping", seqid=9))
+                    (pong,) = read_messages(b, 1)
+                    took = time.monotonic() - t0
+                replies = read_messages(a, 2, max_size=64 << 20)
+            assert pong.type == MessageType.REPLY and took < 0.7, took  # (the sleep ends ~1.1 s later)
+            assert [(r.seqid, r.type) for r in replies] == [(1, MessageType.REPLY), (2, MessageType.REPLY)]
+            assert len(replies[1].data) == 300_028
+            time.sleep(0.2)
+            assert p.server.waiting.used == 0
+    finally:
+        up.close()

@@ -354,6 +354,24 @@ def test_jsonl_span_file_is_rotated_at_its_cap_and_keeps_one_older_file(tmp_path
     exporter.shutdown()
 
 
+def test_jsonl_span_file_reached_through_a_symlink_is_never_rotated(tmp_path, caplog):
+    """`path: /dev/stdout` with stdout a file, or any symlink: rotating would rename the link
+    and write the spans to a new file in its place (a review found /dev/stdout renamed)."""
+    real = tmp_path / "real.jsonl"
+    link = tmp_path / "spans.jsonl"
+    link.symlink_to(real)
+    t = Telemetry(SimpleNamespace(service_name="s", exporter="none", sample_ratio=1.0), rng=random.Random(6))
+    batch = [s for c in [fx.call_success() for _ in range(8)] for s in t.build_spans(c, "UserService")]
+    exporter = JsonLinesSpanExporter(link, max_size=16 * 1024)
+    for _ in range(8):
+        assert exporter.export(batch) is SpanExportResult.SUCCESS
+    exporter.shutdown()
+    assert link.is_symlink() and real.stat().st_size > 16 * 1024
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["real.jsonl", "spans.jsonl"]
+    assert [r.getMessage() for r in caplog.records if "not rotated" in r.getMessage()] == [
+        f"span file {link} is not a regular file of its own (a symlink, a device, or replaced): it is not rotated"]
+
+
 def test_jsonl_span_file_may_be_a_pipe(tmp_path):
     """`tracing.path: /dev/stdout` in a container, or a FIFO into a reader: no seeking there
     (a review caught lseek's ESPIPE failing every export)."""
