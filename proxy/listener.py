@@ -84,6 +84,7 @@ class ListenerState:
         self.pipeline = pipeline
         self.loop = loop
         self.waiting = waiting if waiting is not None else WaitingBudget()  # (the server shares one)
+        self.drain_by: tuple[float, float] | None = None  # removed by a reload: (deadline, drain_timeout)
         self.connections: set[ClientConnection] = set()
         self.stats = {"accepted": 0, "refused": 0, "protocol_errors": 0, "read_timeouts": 0,
                       "idle_closed": 0, "write_stalls": 0}

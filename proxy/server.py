@@ -303,7 +303,6 @@ class Server:
         # with calls in flight (or routed to by such a listener). Closed once unused.
         self._retired_listeners: list[ListenerState] = []
         self.waiting = WaitingBudget()  # large replies read whole to wait their turn, all listeners'
-        self._drain_by: dict[int, tuple[float, float]] = {}  # id(retired state) → (deadline, drain_timeout)
         self._retiring: list[Cluster] = []
         self._retire_timer: asyncio.TimerHandle | None = None
         try:
@@ -586,7 +585,7 @@ class Server:
                              "each closed once no call is on it (at most %gs: drain_timeout)",
                              name, len(state.connections), config.drain_timeout)
                     self._retired_listeners.append(state)
-                    self._drain_by[id(state)] = (time.monotonic() + config.drain_timeout, config.drain_timeout)
+                    state.drain_by = (time.monotonic() + config.drain_timeout, config.drain_timeout)
                     for conn in state.connections:
                         conn.close_when_quiet(RETIRED_QUIET)
             for slot in slots:
@@ -704,7 +703,7 @@ class Server:
         self._retire_timer = None
         now = time.monotonic()
         for state in self._retired_listeners:
-            deadline, timeout = self._drain_by.get(id(state), (now, 0.0))
+            deadline, timeout = state.drain_by or (now, 0.0)
             if now < deadline:
                 continue
             for conn in list(state.connections):
@@ -715,7 +714,6 @@ class Server:
                     conn.shut_down(f"drain_timeout {timeout:g}s passed",
                                    f"its listener {state.settings.name} was removed by a reload")
         self._retired_listeners = [s for s in self._retired_listeners if s.connections]
-        self._drain_by = {id(s): self._drain_by[id(s)] for s in self._retired_listeners if id(s) in self._drain_by}
         routed = {id(c) for s in self._retired_listeners for r in s.pipeline.router.routes for c in r.clusters}
         still = []
         for c in self._retiring:
