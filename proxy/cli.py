@@ -46,8 +46,17 @@ def _seconds(low: float, high: float):
     return parse
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's, except that a help or version text that cannot be written is an error
+    (`main` says so, exit 1): argparse drops the OSError and exits 0."""
+
+    def _print_message(self, message: str, file=None) -> None:
+        if message:
+            (file or sys.stderr).write(message)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="thrift-sidecar",
+    p = _Parser(prog="thrift-sidecar",
                                 description="A localhost Thrift proxy sidecar with per-hop traces.")
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)

@@ -2,8 +2,9 @@
 
 `pick()` filters endpoints whose breaker is open or whose active health check
 fails (unless more than `max_open_percent` are out: then the cluster panics
-and ignores health),
-then asks the balancer. `pool()` returns the pool for (endpoint, framing,
+and ignores health), and those still waiting for their first health check
+(`pending`: counted neither in nor out, used only when no checked endpoint
+may take the call), then asks the balancer. `pool()` returns the pool for (endpoint, framing,
 protocol); TLS is the cluster's own, so the key is complete. Each pool tells
 its endpoint of its connects (`_connect_hooks`): one in progress counts in
 `outstanding`, one that fails counts against the endpoint's breaker.
@@ -82,6 +83,7 @@ class Cluster:
         # Called with each endpoint discovery adds (e.g. to give it a breaker); static
         # endpoints are set up where the cluster is built.
         self.endpoint_setup: Callable[[Endpoint], None] | None = None
+        self.checker = None       # proxy.health.HealthChecker, while one runs: adopts added endpoints
         self._retiring: set[Pool] = set()
         self._retire_timer: asyncio.TimerHandle | None = None
 
@@ -122,9 +124,11 @@ class Cluster:
             said = f"; {d.kind} discovery: {d.last_error}" if d is not None and d.last_error else ""
             return f"cluster '{self.name}' has no endpoints{said}"
         ejected = sum(1 for ep in eps if ep.breaker is not None and not ep.breaker.would_allow())
-        unhealthy = sum(1 for ep in eps if not ep.healthy)
+        unhealthy = sum(1 for ep in eps if not ep.healthy and not ep.pending)
+        pending = sum(1 for ep in eps if ep.pending)
+        waiting = f", {pending} waiting for their first health check" if pending else ""
         return (f"no endpoint available in cluster '{self.name}': {len(eps)} endpoint(s), "
-                f"{ejected} ejected (breaker open), {unhealthy} failing health checks")
+                f"{ejected} ejected (breaker open), {unhealthy} failing health checks{waiting}")
 
     def renew_tls(self, ssl: ssl_mod.SSLContext) -> None:
         """A reload read this cluster's TLS files again: new connections use `ssl` (open ones
@@ -156,6 +160,8 @@ class Cluster:
             else:
                 if self.endpoint_setup is not None:
                     self.endpoint_setup(ep)
+                if self.checker is not None:
+                    self.checker.adopt(ep)
                 new.append(ep)
         self.endpoints = new
         self.stats["endpoint_changes"] += 1
@@ -212,10 +218,14 @@ class Cluster:
 
     def _usable(self, eps: list[Endpoint]) -> list[Endpoint]:
         """The endpoints a pick may use when some may be out (health check failing, breaker
-        open): the others, or all of them while the cluster panics. Keeps `panicking` current."""
-        healthy = [ep for ep in eps if ep.healthy and (ep.breaker is None or ep.breaker.allows())]
-        out = len(eps) - len(healthy)
-        panic = out > 0 and panicking(out, len(eps), self.max_open_percent)
+        open) or not yet checked (`pending`): the checked ones that are in; else (none is) the
+        pending ones whose breaker allows, since unknown beats known bad; or all of them while
+        the cluster panics, which only checked endpoints decide (Envoy's excluded hosts: a
+        scale-up does not panic a cluster). Keeps `panicking` current."""
+        known = [ep for ep in eps if not ep.pending]
+        healthy = [ep for ep in known if ep.healthy and (ep.breaker is None or ep.breaker.allows())]
+        out = len(known) - len(healthy)
+        panic = out > 0 and panicking(out, len(known), self.max_open_percent)
         if panic != self.panicking:
             self.panicking = panic
             if panic:
@@ -224,15 +234,19 @@ class Cluster:
                             self.name, out, len(eps), self.max_open_percent)
             else:
                 log.info("cluster %s leaves panic", self.name)
-        return eps if panic else healthy
+        if panic:
+            return eps
+        if healthy or len(known) == len(eps):
+            return healthy
+        return [ep for ep in eps if ep.pending and (ep.breaker is None or ep.breaker.allows())]
 
     def snapshot(self) -> dict:
         """What /stats shows, as of now and changing nothing: looking is not a pick (no breaker
         goes half-open, no panic is entered or left, nothing logged, because it was looked at)."""
-        eps = self.endpoints
-        out = sum(1 for ep in eps if not ep.healthy or (ep.breaker is not None and not ep.breaker.would_allow()))
+        known = [ep for ep in self.endpoints if not ep.pending]
+        out = sum(1 for ep in known if not ep.healthy or (ep.breaker is not None and not ep.breaker.would_allow()))
         return {
-            "name": self.name, "panicking": out > 0 and panicking(out, len(eps), self.max_open_percent),
+            "name": self.name, "panicking": out > 0 and panicking(out, len(known), self.max_open_percent),
             **self.stats,
             "discovery": self.discovery.snapshot() if self.discovery is not None else {"kind": "static"},
             "endpoints": [

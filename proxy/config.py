@@ -377,8 +377,19 @@ def _exception_ref(value: object) -> object:
     raise ValueError("must be a result field id (1-32767) or an exception name")
 
 
+MAX_ATTEMPTS = 10  # (gRPC caps maxAttempts at 5; a call's spans and its time grow with each)
+
+
+def _attempts(value: object) -> object:
+    if isinstance(value, int) and not isinstance(value, bool) and value > MAX_ATTEMPTS:
+        raise ValueError(f"must be at most {MAX_ATTEMPTS} (each try of a call is another upstream "
+                         "call and span; the retry budget bounds retries across calls)")
+    return value
+
+
 class Retry(_Model):
-    attempts: PositiveCount = 1  # total tries, the first included
+    # total tries, the first included
+    attempts: Annotated[PositiveCount, AfterValidator(_attempts)] = 1
     # true: every method may run twice; a list: methods matching these globs; false: only
     # requests that were never written are retried
     idempotent: Annotated[bool | tuple[str, ...], BeforeValidator(_idempotent)] = False

@@ -1,7 +1,8 @@
 """An upstream endpoint: address, weight, load counters, and its pools.
 
 The balancer reads `outstanding` and `ewma`; the cluster skips an endpoint
-whose breaker (resilience) refuses or whose health check (health) fails.
+whose breaker (resilience) refuses or whose health check (health) fails, and
+one that joined a health-checked cluster until its first check (`pending`).
 Pools are keyed by (framing, protocol) here — the endpoint and TLS are the
 endpoint's own — so the full pool key is (endpoint, framing, protocol, TLS).
 """
@@ -15,7 +16,7 @@ from proxy.ewma import PeakEwmaEstimator
 
 class Endpoint:
     __slots__ = ("host", "port", "weight", "outstanding", "ewma", "pools", "removed", "label",
-                 "breaker", "healthy", "calls", "failures")
+                 "breaker", "healthy", "pending", "calls", "failures")
 
     def __init__(self, host: str, port: int, weight: int = 1, clock=monotonic) -> None:
         self.host = host
@@ -28,6 +29,7 @@ class Endpoint:
         self.label = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self.breaker = None
         self.healthy = True          # False while active health checks fail (proxy.health)
+        self.pending = False         # True (and healthy False) until its first health check answers
         self.calls = 0
         self.failures = 0
 

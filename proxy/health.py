@@ -4,7 +4,11 @@ A TApplicationException (logged with its type and message), a declared
 exception, a reply that does not decode, a timeout or a connection failure
 is a failed check; one failed check takes the endpoint out (`ep.healthy =
 False`, so the balancer skips it like an open breaker) and one passing check
-brings it back. Needs the cluster's framing and protocol (the config enforces
+brings it back. An endpoint that joins the cluster (discovery, a reload) is
+`pending` until its first check answers, checked at once rather than at the
+next round: the cluster uses it only when no checked endpoint may take a call
+(Envoy's new hosts wait for their first check the same way).
+Needs the cluster's framing and protocol (the config enforces
 it). Lifecycle work: one task per cluster, its own connections (never the
 pool's), so checks never queue behind calls. Whatever a check raises counts
 as that check's failure, and the task logs and survives anything else: it
@@ -103,53 +107,94 @@ class HealthChecker:
         self.interval = interval
         self.timeout = timeout
         self.task: asyncio.Task | None = None
+        self._first: set[asyncio.Task] = set()  # first checks of endpoints that joined (adopt)
+        self._seqid = 0
         self.stats = {"checks": 0, "failures": 0, "taken_out": 0, "brought_back": 0}
 
     def start(self) -> None:
+        """Check every endpoint now and every `interval`; endpoints the cluster adds from now on
+        are `adopt`ed (pending, checked at once)."""
+        self.cluster.checker = self
         self.task = asyncio.get_running_loop().create_task(self._run())
+
+    def adopt(self, ep) -> None:
+        """`ep` joins the cluster: out (`pending`) until a check answers, which starts now."""
+        ep.pending, ep.healthy = True, False
+        if self.task is None or self.task.done():
+            return  # (not started: its first round checks it; closed: nothing will)
+        task = asyncio.get_running_loop().create_task(self._check_first(ep))
+        self._first.add(task)
+        task.add_done_callback(self._first.discard)
 
     def close(self) -> asyncio.Task | None:
         """Stop checking. Returns the task, which ends at its next await: the server waits for
         it before the loop closes (else asyncio warns that a pending task was destroyed)."""
+        if self.cluster.checker is self:
+            self.cluster.checker = None
+        for task in list(self._first):
+            task.cancel()
         if self.task is not None:
             self.task.cancel()
         return self.task
 
     async def _run(self) -> None:
-        seqid = 0
-        while True:
-            seqid += 1
-            try:
-                await self._round(seqid)
-            except Exception:  # a bug here must not end health checking for the cluster, silently
-                log.exception("health checks of cluster %s: round failed; next round in %gs",
-                              self.cluster.name, self.interval)
-            await asyncio.sleep(self.interval)
+        try:
+            while True:
+                try:
+                    await self._round()
+                except Exception:  # a bug here must not end health checking for the cluster, silently
+                    log.exception("health checks of cluster %s: round failed; next round in %gs",
+                                  self.cluster.name, self.interval)
+                await asyncio.sleep(self.interval)
+        finally:  # (the server waits for this task only: first checks end with it)
+            if self._first:
+                await asyncio.gather(*self._first, return_exceptions=True)
 
-    async def _round(self, seqid: int) -> None:
+    def _check(self, ep):
+        self._seqid += 1
+        return check_once(ep.host, ep.port, self.method, self.cluster.framing, self.cluster.protocol,
+                          self.timeout, self._seqid, self.cluster.ssl, self.cluster.server_name or ep.host)
+
+    async def _check_first(self, ep) -> None:
+        try:
+            why = await self._check(ep)
+        except Exception as e:  # noqa: BLE001 - as in a round: this endpoint's failed check
+            why = e
+        if ep.pending and not ep.removed:  # (a round may have answered first)
+            self._record(ep, why)
+
+    async def _round(self) -> None:
         eps = list(self.cluster.endpoints)
-        results = await asyncio.gather(*(
-            check_once(ep.host, ep.port, self.method, self.cluster.framing, self.cluster.protocol,
-                       self.timeout, seqid, self.cluster.ssl, self.cluster.server_name or ep.host)
-            for ep in eps), return_exceptions=True)
+        results = await asyncio.gather(*(self._check(ep) for ep in eps), return_exceptions=True)
         for ep, why in zip(eps, results):
-            if isinstance(why, BaseException):
-                # check_once turns every failure it knows into a reason; anything else is a bug
-                # there, and still a failed check of this endpoint (the others' results stand)
-                log.error("health check %s() of %s in cluster %s raised", self.method, ep.label,
-                          self.cluster.name, exc_info=why)
-                why = f"check raised {type(why).__name__}: {why}"
-            self.stats["checks"] += 1
-            healthy = why is None
-            if not healthy:
-                self.stats["failures"] += 1
-            if healthy != ep.healthy:
-                ep.healthy = healthy
-                if healthy:
-                    self.stats["brought_back"] += 1
-                    log.warning("health check of %s in cluster %s passes again: back in",
-                                ep.label, self.cluster.name)
-                else:
-                    self.stats["taken_out"] += 1
-                    log.warning("health check %s() of %s in cluster %s failed: %s; taken out",
-                                self.method, ep.label, self.cluster.name, why)
+            self._record(ep, why)
+
+    def _record(self, ep, why) -> None:
+        """One check's result: None (passed), a reason, or what the check raised."""
+        if isinstance(why, BaseException):
+            # check_once turns every failure it knows into a reason; anything else is a bug
+            # there, and still a failed check of this endpoint (the others' results stand)
+            log.error("health check %s() of %s in cluster %s raised", self.method, ep.label,
+                      self.cluster.name, exc_info=why)
+            why = f"check raised {type(why).__name__}: {why}"
+        self.stats["checks"] += 1
+        healthy = why is None
+        if not healthy:
+            self.stats["failures"] += 1
+        if ep.pending:
+            ep.pending, ep.healthy = False, healthy
+            if healthy:
+                log.info("first health check of %s in cluster %s passes: in", ep.label, self.cluster.name)
+            else:
+                log.warning("health check %s() of %s in cluster %s failed: %s; kept out (its first check)",
+                            self.method, ep.label, self.cluster.name, why)
+        elif healthy != ep.healthy:
+            ep.healthy = healthy
+            if healthy:
+                self.stats["brought_back"] += 1
+                log.warning("health check of %s in cluster %s passes again: back in",
+                            ep.label, self.cluster.name)
+            else:
+                self.stats["taken_out"] += 1
+                log.warning("health check %s() of %s in cluster %s failed: %s; taken out",
+                            self.method, ep.label, self.cluster.name, why)

@@ -399,7 +399,8 @@ class Server:
         """First discovery round, then each one's health checker (a replaced cluster's checker,
         if still running, is closed first: one checker per cluster name). A replaced cluster's
         endpoints that its checks took out stay out until the new checker says otherwise: its
-        first round takes up to its timeout for an endpoint that does not answer. Endpoints a
+        first round takes up to its timeout for an endpoint that does not answer. Endpoints no
+        check has answered for yet are `pending` until the first round does. Endpoints a
         cluster in `replaced` (by name) had go on with its breakers and latency estimates."""
         clusters = list(clusters)
         await asyncio.gather(*(c.start() for c in clusters))  # first discovery round
@@ -412,12 +413,14 @@ class Server:
                 self._stop_checker(old)
             hc = self._cluster_cfg[c.name].health_check
             if hc is not None:
-                if old is not None:
-                    out = {ep.key for ep in old.cluster.endpoints if not ep.healthy}
-                    for ep in c.endpoints:
-                        if ep.key in out:
-                            ep.healthy = False
                 checker = self.health[c.name] = HealthChecker(c, hc.method, hc.interval, hc.timeout)
+                was = {ep.key: ep for ep in old.cluster.endpoints} if old is not None else {}
+                for ep in c.endpoints:
+                    prev = was.get(ep.key)
+                    if prev is None or prev.pending:
+                        checker.adopt(ep)  # (its first round checks it)
+                    elif not prev.healthy:
+                        ep.healthy = False
                 checker.start()
 
     async def _bind(self, lc: cfgmod.Listener, acceptor: _Acceptor, start_serving: bool = True):
@@ -878,6 +881,8 @@ class Server:
             snap["limits"] = c.limits.snapshot()
             for ep, ep_snap in zip(c.endpoints, snap["endpoints"]):
                 ep_snap["healthy"] = ep.healthy
+                if ep.pending:
+                    ep_snap["health_check"] = "pending"  # (not checked yet: not counted in or out)
                 if ep.breaker is not None:
                     ep_snap["breaker_detail"] = ep.breaker.snapshot()
             clusters[name] = snap

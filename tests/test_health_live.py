@@ -10,6 +10,7 @@ import contextlib
 import logging
 import random
 import struct
+import time
 
 import pytest
 
@@ -178,3 +179,94 @@ def test_stats_say_the_panic_is_over_once_health_is_back_without_a_call():
         finally:
             a.stop()
             b.stop()
+
+
+def test_an_endpoint_discovery_adds_takes_calls_only_once_its_first_check_passes(tmp_path, caplog):
+    """The endpoints file gains `bad` (its check method fails, its other methods work) and `slow`
+    (its check takes 1 s, then passes). Checks run every hour: only the check each gets when it
+    joins can decide. Neither takes a call before a check passed (before: both took their share
+    at once, and `bad` kept its share until the next round, an hour later); `/stats` says they
+    wait; `slow` takes calls once its check passes; `bad` never does."""
+    from harness import Handler, client
+
+    class Counting(Handler):
+        def __init__(self, name: str, ping_s: float = 0.0) -> None:
+            super().__init__(name)
+            self.echoes = 0
+            self.ping_s = ping_s
+
+        def ping(self):
+            time.sleep(self.ping_s)
+            super().ping()
+
+        def echo(self, payload):
+            with self.lock:
+                self.echoes += 1
+            return super().echo(payload)
+
+    good = ThriftServer(handler=Counting("good"))
+    bad = ThriftServer(handler=Counting("bad"))
+    bad.handler.throw = {"ping"}
+    slow = ThriftServer(handler=Counting("slow", ping_s=1.0))
+    eps = tmp_path / "endpoints.yaml"
+    eps.write_text(f"- {good.address}\n")
+    text = cfg([]).replace("endpoints: []", f"endpoints: {{file: {eps}}}").replace(
+        "interval: 200ms, timeout: 200ms", "interval: 1h, timeout: 5s")
+    try:
+        with caplog.at_level(logging.INFO, logger="proxy.health"), Proxy(text) as p, client(p.port()) as c:
+            cluster = p.server.clusters["up"]
+
+            def ep(server):
+                return next((e for e in cluster.endpoints if e.port == server.port), None)
+
+            def echo(n: int) -> None:
+                for _ in range(n):
+                    assert c.echo(b"x") == b"x"
+
+            wait_for(lambda: ep(good) is not None and not ep(good).pending, 5, "the first endpoint checked")
+            echo(10)
+            eps.write_text(f"- {good.address}\n- {bad.address}\n- {slow.address}\n")
+            wait_for(lambda: ep(bad) is not None and ep(slow) is not None, 5, "the added endpoints")
+            assert ep(slow).pending
+            shown = {e["address"]: e for e in p.call(p.server.snapshot)["clusters"]["up"]["endpoints"]}
+            assert shown[slow.address]["health_check"] == "pending" and shown[slow.address]["healthy"] is False
+            assert "health_check" not in shown[good.address]
+            echo(30)  # (while slow's check runs)
+            assert ep(slow).pending, "the test needs slow's first check still running"
+            assert (bad.handler.echoes, slow.handler.echoes, good.handler.echoes) == (0, 0, 40)
+            wait_for(lambda: not ep(slow).pending and not ep(bad).pending, 5, "both first checks")
+            assert ep(slow).healthy and not ep(bad).healthy
+            echo(40)
+            assert bad.handler.echoes == 0
+            assert slow.handler.echoes == 20  # (round robin over good and slow)
+            assert not p.call(p.server.snapshot)["clusters"]["up"]["panicking"]
+        lines = [r.getMessage() for r in caplog.records if r.name == "proxy.health"]
+        assert any(f"{bad.address} in cluster up failed: TApplicationException" in m
+                   and m.endswith("kept out (its first check)") for m in lines), lines
+        assert any(f"first health check of {slow.address} in cluster up passes: in" in m for m in lines), lines
+    finally:
+        for s in (good, bad, slow):
+            s.stop()
+
+
+def test_a_cluster_whose_every_endpoint_waits_for_its_first_check_still_takes_calls():
+    """Unknown beats none: endpoints that all wait for their first check (a cluster whose every
+    address changed at once) take the calls until a check says otherwise."""
+    from harness import Handler, client
+
+    class SlowPing(Handler):
+        def ping(self):
+            time.sleep(1.0)
+            super().ping()
+
+    up = ThriftServer(handler=SlowPing("up"))
+    try:
+        with Proxy(cfg([]).replace("endpoints: []", f"endpoints: [{up.address}]").replace(
+                "interval: 200ms, timeout: 200ms", "interval: 1h, timeout: 5s")) as p, client(p.port()) as c:
+            (ep,) = p.server.clusters["up"].endpoints
+            assert ep.pending
+            assert c.echo(b"x") == b"x"
+            assert ep.pending, "the test needs the first check still running"
+            wait_for(lambda: ep.healthy and not ep.pending, 5, "the first check")
+    finally:
+        up.stop()

@@ -403,7 +403,8 @@ def test_health_check_takes_endpoint_out_and_back():
             ep_sick = next(e for e in cluster.endpoints if e.port == sick.port)
             with client(p.port()) as c:
                 sick.handler.throw = {"ping"}
-                wait_for(lambda: not ep_sick.healthy, 5, "the failing health check to take it out")
+                wait_for(lambda: not ep_sick.healthy and not ep_sick.pending, 5,
+                         "the failing health check to take it out")
                 replies = [c.lookup(f"h{i}") for i in range(50)]
                 # lookups answer "<server name>:<key>": none went to the endpoint that is out
                 assert [r for r in replies if r.startswith("sick:")] == []
