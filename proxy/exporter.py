@@ -10,7 +10,7 @@ Why not the SDK's BatchSpanProcessor: when full it drops the oldest spans silent
 (the spans themselves are built in the worker thread), a full queue drops the *new* call and
 counts it, and `flush(timeout)` returns False at its deadline whatever the exporter is doing.
 A batch goes out when `batch_size` calls wait, else at the next `interval` tick, on `flush`, or
-at shutdown.
+at shutdown; encoded spans go as several requests when a batch's exceed `MAX_REQUEST` bytes.
 
     queue = ExportQueue(exporter, build)    # build(item) -> list[ReadableSpan], in the worker
     queue = ExportQueue(exporter, encode, export=send)   # or any list send() takes (encoded spans)
@@ -54,6 +54,9 @@ CAPACITY = 8192        # calls waiting for export
 MAX_BYTES = 64 << 20   # payload bytes the waiting calls may keep alive (a queued Call holds its
                        # request and reply until its spans are built)
 BATCH_SIZE = 256       # calls per export; the worker also wakes when this many are waiting
+MAX_REQUEST = 3 << 20  # encoded span bytes per export request, when the items are encoded: a
+                       # batch past it goes as several (OTLP receivers refuse gRPC messages over
+                       # 4 MiB unless told otherwise: the Collector's and Jaeger's default)
 INTERVAL = 0.2         # seconds between exports when fewer are waiting
 LOG_EVERY = 10.0       # seconds between warnings about failed exports
 
@@ -72,12 +75,16 @@ class ExportQueue:
     def __init__(self, exporter: SpanExporter, build: Callable[[object], Sequence],
                  capacity: int = CAPACITY, batch_size: int = BATCH_SIZE, interval: float = INTERVAL,
                  max_bytes: int = MAX_BYTES, name: str = "thrift-sidecar-spans",
-                 export: Callable[[list], SpanExportResult] | None = None) -> None:
+                 export: Callable[[list], SpanExportResult] | None = None,
+                 max_request: int | None = None) -> None:
         self.exporter = exporter
         self.build = build
         # what a batch of built items goes to: the exporter's `export` (ReadableSpans), or e.g.
         # one that wraps already encoded OTLP spans into a request and sends it
         self.export = export if export is not None else exporter.export
+        # built items are bytes (encoded spans) and one export takes at most this many of them:
+        # a batch that holds more goes out as several exports, each counted for its own calls
+        self.max_request = max_request
         self.capacity = capacity
         self.batch_size = batch_size
         self.interval = interval
@@ -198,14 +205,32 @@ class ExportQueue:
         spans: list = []
         built = 0
         size = 0
+        cap = self.max_request
+        held = 0  # (bytes in `spans`, when capped)
         for item, nbytes in batch:
             size += nbytes
             try:
-                spans.extend(self.build(item))
-                built += 1
+                made = self.build(item)
             except Exception:  # noqa: BLE001 - one bad call must not stop the worker
                 self.failed += 1
                 self._warn("building spans failed", exc_info=True)
+                continue
+            if cap is not None:
+                more = sum(map(len, made))
+                if spans and held + more > cap:
+                    self._send(spans, built)
+                    spans, built, held = [], 0, 0
+                held += more
+            spans.extend(made)
+            built += 1
+        self._send(spans, built)
+        self._bytes_out += size
+        with self._progress:
+            self._handled += n
+            self._progress.notify_all()
+
+    def _send(self, spans: list, built: int) -> None:
+        """Export the spans of `built` calls; count them exported or failed."""
         ok = True
         if spans:
             try:
@@ -220,10 +245,6 @@ class ExportQueue:
             self.exported += built
         else:
             self.failed += built
-        self._bytes_out += size
-        with self._progress:
-            self._handled += n
-            self._progress.notify_all()
 
     def _warn(self, msg: str, *args, exc_info: bool = False) -> None:
         now = time.monotonic()

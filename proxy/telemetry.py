@@ -55,7 +55,7 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 
 from proxy import __version__, otlp, spans
 from proxy.calls import DECLARED_EXCEPTION, SUCCESS
-from proxy.exporter import ExportQueue, make_exporter
+from proxy.exporter import MAX_REQUEST, ExportQueue, make_exporter
 from proxy.logs import MAX_ERROR, MAX_NAME, cut
 from proxy.metrics import INVALID, call_end, call_outcome, is_failure
 from proxy.tracecontext import TraceContext, inject, new_id, start
@@ -137,7 +137,8 @@ class Telemetry:
         if getattr(exporter, "export_request", None) is not None:
             # an exporter that sends whole encoded OTLP requests: the spans go straight from the
             # call's timestamps to protobuf bytes (`encode_call`), never through ReadableSpan
-            self.queue = ExportQueue(exporter, self._encode_item, export=self._export_encoded, **queue_options)
+            self.queue = ExportQueue(exporter, self._encode_item, export=self._export_encoded,
+                                     **{"max_request": MAX_REQUEST, **queue_options})
         elif exporter is not None:
             self.queue = ExportQueue(exporter, self._build_item, **queue_options)
 

@@ -178,6 +178,28 @@ def test_build_and_export_failures_are_counted(caplog):
         q.shutdown(2.0)
 
 
+def test_a_capped_batch_goes_in_parts_each_counted_for_its_own_calls():
+    """Encoded items of 40 bytes, at most 100 bytes per export: 5 calls go as 2 + 2 + 1; the
+    second export fails, and only its two calls count as failed."""
+    sent: list[list[bytes]] = []
+
+    def export(chunks):
+        sent.append(chunks)
+        return SpanExportResult.FAILURE if len(sent) == 2 else SpanExportResult.SUCCESS
+
+    q = ExportQueue(InMemorySpanExporter(), lambda item: [item], batch_size=100, interval=30.0,
+                    export=export, max_request=100)
+    try:
+        for i in range(5):
+            q.submit(bytes([i]) * 40)
+        assert q.flush(5.0)
+        assert [len(part) for part in sent] == [2, 2, 1]
+        assert [part[0][0] for part in sent] == [0, 2, 4]  # (in order)
+        assert (q.exported, q.failed) == (3, 2)
+    finally:
+        q.shutdown(2.0)
+
+
 def test_metrics_expose_the_queue():
     q = ExportQueue(InMemorySpanExporter(), one_span, capacity=7)
     try:

@@ -281,6 +281,33 @@ def test_telemetry_exports_to_a_real_receiver(protocol):
         receiver.stop()
 
 
+def test_a_batch_larger_than_a_receivers_4_mib_goes_as_several_requests():
+    """A gRPC receiver takes messages of up to 4 MiB unless told otherwise (the Collector's and
+    Jaeger's default, and grpc's). A batch whose spans come to more goes as several requests,
+    each under MAX_REQUEST, and every call's spans arrive. Before: one request, refused
+    (RESOURCE_EXHAUSTED), the whole batch lost."""
+    from proxy.exporter import MAX_REQUEST
+
+    receiver = GrpcReceiver()
+    try:
+        exporter = OtlpExporter(settings=settings_for("grpc", receiver.port))
+        t = Telemetry(tracing(), clock_offset_ns=OFFSET, rng=random.Random(5), exporter=exporter,
+                      interval=30.0, batch_size=100_000, capacity=100_000)
+        call = fx.call_retry()
+        one = len(t.encode_call(call, "UserService", "users", "head"))
+        n = (6 << 20) // one + 1  # (> 6 MiB of spans in one batch)
+        for _ in range(n):
+            assert t.finished(fx.call_retry(), "UserService", "users") == "head"
+        assert t.flush(60.0)
+        assert t.queue.exported == n and t.queue.failed == 0
+        sizes = [len(body) for body in receiver.requests]
+        assert len(sizes) >= 2 and max(sizes) <= MAX_REQUEST + 4096, sizes
+        assert sum(len(received_spans(body)) for body in receiver.requests) == 13 * n
+        t.shutdown(5.0)
+    finally:
+        receiver.stop()
+
+
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_gzip_and_the_sdk_interface(protocol):
     receiver = GrpcReceiver() if protocol == "grpc" else HttpReceiver()
