@@ -564,6 +564,21 @@ def test_a_request_whose_struct_does_not_fill_its_frame_is_refused_with_its_head
     lenient = Decoder(framing, protocol)
     lenient.feed(data)
     assert lenient.next_message().name == "lookup"
+    if framing is not Framing.FRAMED:  # the same payload deflated (THeader zlib): inflated whole, checked
+        zdata = encode_header_frame(HeaderBlock(0, 5, protocol.header_id, (1,), {}), zlib.compress(payload))
+        if framing is Framing.FRAMED_HEADER:
+            zdata = struct.pack("!i", len(zdata)) + zdata
+        z = Decoder(framing, protocol, whole_body=True)
+        z.feed(zdata)
+        with pytest.raises(ProtocolError) as ze:
+            z.next_message()
+        assert ze.value.message == err.message and ze.value.head.name == "lookup"
+        zwhole = encode_header_frame(HeaderBlock(0, 5, protocol.header_id, (1,), {}), zlib.compress(lookup))
+        if framing is Framing.FRAMED_HEADER:
+            zwhole = struct.pack("!i", len(zwhole)) + zwhole
+        z = Decoder(framing, protocol, whole_body=True)
+        z.feed(zwhole)
+        assert z.next_message().name == "lookup"
     if framing is Framing.FRAMED:  # the message alone in its frame is taken (take: strict binary only)
         whole = struct.pack("!i", len(lookup)) + lookup
         exact = Decoder(framing, protocol, whole_body=True)
