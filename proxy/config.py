@@ -671,10 +671,17 @@ class CircuitBreaker(_Model):
         return self
 
 
+Threshold = Annotated[int, Strict(), Field(ge=1, le=100)]
+
+
 class HealthCheck(_Model):
     interval: CheckInterval = 5.0
     timeout: CheckTimeout = 1.0
     method: Text = "ping"
+    # checks in a row that take an endpoint out / bring it back (Envoy's; an endpoint's first
+    # check decides alone, as Envoy's first check of a new host does)
+    unhealthy_threshold: Threshold = 1
+    healthy_threshold: Threshold = 1
 
     @model_validator(mode="after")
     def _timeout_within_interval(self) -> HealthCheck:

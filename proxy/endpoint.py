@@ -16,7 +16,7 @@ from proxy.ewma import PeakEwmaEstimator
 
 class Endpoint:
     __slots__ = ("host", "port", "weight", "outstanding", "ewma", "pools", "removed", "label",
-                 "breaker", "healthy", "pending", "calls", "failures")
+                 "breaker", "healthy", "pending", "streak", "calls", "failures")
 
     def __init__(self, host: str, port: int, weight: int = 1, clock=monotonic) -> None:
         self.host = host
@@ -30,6 +30,7 @@ class Endpoint:
         self.breaker = None
         self.healthy = True          # False while active health checks fail (proxy.health)
         self.pending = False         # True (and healthy False) until its first health check answers
+        self.streak = 0              # health checks in a row that disagree with `healthy`
         self.calls = 0
         self.failures = 0
 

@@ -2,9 +2,9 @@
 
 A TApplicationException (logged with its type and message), a declared
 exception, a reply that does not decode, a timeout or a connection failure
-is a failed check; one failed check takes the endpoint out (`ep.healthy =
-False`, so the balancer skips it like an open breaker) and one passing check
-brings it back. An endpoint that joins the cluster (discovery, a reload) is
+is a failed check; `unhealthy_threshold` failed checks in a row (default 1)
+take the endpoint out (`ep.healthy = False`, so the balancer skips it like an
+open breaker) and `healthy_threshold` passing ones bring it back. An endpoint that joins the cluster (discovery, a reload) is
 `pending` until its first check answers, checked at once rather than at the
 next round: the cluster uses it only when no checked endpoint may take a call
 (Envoy's new hosts wait for their first check the same way).
@@ -101,11 +101,14 @@ async def check_once(host: str, port: int, method: str, framing: Framing, protoc
 class HealthChecker:
     """Checks every endpoint of one cluster; logs and counts each change once."""
 
-    def __init__(self, cluster, method: str, interval: float, timeout: float) -> None:
+    def __init__(self, cluster, method: str, interval: float, timeout: float,
+                 unhealthy_threshold: int = 1, healthy_threshold: int = 1) -> None:
         self.cluster = cluster
         self.method = method
         self.interval = interval
         self.timeout = timeout
+        self.unhealthy_threshold = unhealthy_threshold
+        self.healthy_threshold = healthy_threshold
         self.task: asyncio.Task | None = None
         self._first: set[asyncio.Task] = set()  # first checks of endpoints that joined (adopt)
         self._seqid = 0
@@ -182,19 +185,30 @@ class HealthChecker:
         if not healthy:
             self.stats["failures"] += 1
         if ep.pending:
-            ep.pending, ep.healthy = False, healthy
+            ep.pending, ep.healthy, ep.streak = False, healthy, 0
             if healthy:
                 log.info("first health check of %s in cluster %s passes: in", ep.label, self.cluster.name)
             else:
                 log.warning("health check %s() of %s in cluster %s failed: %s; kept out (its first check)",
                             self.method, ep.label, self.cluster.name, why)
-        elif healthy != ep.healthy:
-            ep.healthy = healthy
+        elif healthy == ep.healthy:
+            ep.streak = 0
+        else:
+            ep.streak += 1
+            need = self.healthy_threshold if healthy else self.unhealthy_threshold
+            if ep.streak < need:
+                log.info("health check %s() of %s in cluster %s %s (%d of %d in a row to %s)",
+                         self.method, ep.label, self.cluster.name,
+                         "passed" if healthy else f"failed: {why}", ep.streak, need,
+                         "bring it back" if healthy else "take it out")
+                return
+            ep.healthy, ep.streak = healthy, 0
+            in_a_row = f" ({need} in a row)" if need > 1 else ""
             if healthy:
                 self.stats["brought_back"] += 1
-                log.warning("health check of %s in cluster %s passes again: back in",
-                            ep.label, self.cluster.name)
+                log.warning("health check of %s in cluster %s passes again%s: back in",
+                            ep.label, self.cluster.name, in_a_row)
             else:
                 self.stats["taken_out"] += 1
-                log.warning("health check %s() of %s in cluster %s failed: %s; taken out",
-                            self.method, ep.label, self.cluster.name, why)
+                log.warning("health check %s() of %s in cluster %s failed%s: %s; taken out",
+                            self.method, ep.label, self.cluster.name, in_a_row, why)

@@ -413,7 +413,8 @@ class Server:
                 self._stop_checker(old)
             hc = self._cluster_cfg[c.name].health_check
             if hc is not None:
-                checker = self.health[c.name] = HealthChecker(c, hc.method, hc.interval, hc.timeout)
+                checker = self.health[c.name] = HealthChecker(c, hc.method, hc.interval, hc.timeout,
+                                                                   hc.unhealthy_threshold, hc.healthy_threshold)
                 was = {ep.key: ep for ep in old.cluster.endpoints} if old is not None else {}
                 for ep in c.endpoints:
                     prev = was.get(ep.key)

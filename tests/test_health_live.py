@@ -270,3 +270,55 @@ def test_a_cluster_whose_every_endpoint_waits_for_its_first_check_still_takes_ca
             wait_for(lambda: ep.healthy and not ep.pending, 5, "the first check")
     finally:
         up.stop()
+
+
+@pytest.mark.parametrize("unhealthy, healthy", [(1, 1), (3, 2)])
+def test_thresholds_take_an_endpoint_out_and_back_after_that_many_checks_in_a_row(unhealthy, healthy):
+    """The checker's rule, fed results directly: `unhealthy_threshold` failures in a row take an
+    endpoint out, `healthy_threshold` passes in a row bring it back; a result that agrees with
+    the endpoint's state starts the count again. Its first check decides alone (Envoy's too)."""
+    from types import SimpleNamespace
+
+    from proxy.health import HealthChecker
+
+    checker = HealthChecker(SimpleNamespace(name="c", checker=None), "ping", 1.0, 1.0, unhealthy, healthy)
+    ep = Endpoint("127.0.0.1", 9)
+    checker.adopt(ep)  # (not started: pending, its first check is the first result)
+    trail = []
+    for passed in [False, True,                          # first check fails: out at once; then one pass
+                   True, True, False, True, True, True,  # back after `healthy` passes in a row
+                   False, False, True, False, False, False, False]:
+        checker._record(ep, None if passed else "no")
+        trail.append(ep.healthy)
+    if (unhealthy, healthy) == (1, 1):
+        assert trail == [False, True, True, True, False, True, True, True,
+                         False, False, True, False, False, False, False]
+    else:
+        assert trail == [False, False, True, True, True, True, True, True,
+                         True, True, True, True, True, False, False]
+    # (the first check's "kept out" is no change of state: only later flips are counted)
+    flips = sum(a != b for a, b in zip(trail, trail[1:]))
+    assert checker.stats["taken_out"] + checker.stats["brought_back"] == flips
+    assert not ep.pending
+
+
+def test_thresholds_are_read_from_the_config_and_logged():
+    """unhealthy_threshold 2: the first failed check is logged (1 of 2), the second takes the
+    endpoint out and says so."""
+    up = ThriftServer(name="up")
+    text = cfg([up.address]).replace("method: ping}", "method: ping, unhealthy_threshold: 2, healthy_threshold: 2}")
+    try:
+        with Proxy(text) as p:
+            checker = p.server.health["up"]
+            (ep,) = p.server.clusters["up"].endpoints
+            assert (checker.unhealthy_threshold, checker.healthy_threshold) == (2, 2)
+            wait_for(lambda: ep.healthy and not ep.pending, 5, "the first check")
+            up.handler.throw = {"ping"}
+            wait_for(lambda: ep.streak == 1 or not ep.healthy, 5, "one failed check")
+            wait_for(lambda: not ep.healthy, 5, "the second failed check")
+            assert checker.stats["taken_out"] == 1 and checker.stats["failures"] >= 2
+            up.handler.throw = set()
+            wait_for(lambda: ep.healthy, 5, "two passing checks")
+            assert checker.stats["brought_back"] == 1
+    finally:
+        up.stop()
