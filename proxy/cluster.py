@@ -240,13 +240,17 @@ class Cluster:
             return healthy
         return [ep for ep in eps if ep.pending and (ep.breaker is None or ep.breaker.allows())]
 
+    def snapshot_panicking(self) -> bool:
+        """Whether a pick now would find the cluster panicking, changing nothing (`snapshot`)."""
+        known = [ep for ep in self.endpoints if not ep.pending]
+        out = sum(1 for ep in known if not ep.healthy or (ep.breaker is not None and not ep.breaker.would_allow()))
+        return out > 0 and panicking(out, len(known), self.max_open_percent)
+
     def snapshot(self) -> dict:
         """What /stats shows, as of now and changing nothing: looking is not a pick (no breaker
         goes half-open, no panic is entered or left, nothing logged, because it was looked at)."""
-        known = [ep for ep in self.endpoints if not ep.pending]
-        out = sum(1 for ep in known if not ep.healthy or (ep.breaker is not None and not ep.breaker.would_allow()))
         return {
-            "name": self.name, "panicking": out > 0 and panicking(out, len(known), self.max_open_percent),
+            "name": self.name, "panicking": self.snapshot_panicking(),
             **self.stats,
             "discovery": self.discovery.snapshot() if self.discovery is not None else {"kind": "static"},
             "endpoints": [

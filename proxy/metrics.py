@@ -41,6 +41,20 @@ Metrics (all durations in seconds; buckets `BUCKETS`, 25 µs ... 30 s):
     thrift_sidecar_span_queue_size                            gauge: calls waiting for export
     thrift_sidecar_span_queue_capacity                        gauge: the export queue's bound
 
+Per cluster, read from the clusters when scraped (`watch_clusters`; what `/stats` shows, looked
+at without changing anything: no breaker goes half-open because it was scraped):
+
+    thrift_sidecar_cluster_endpoints{cluster,state}           gauge: endpoints by what a pick makes
+        of them: `available`, `ejected` (breaker open), `failing_health_check`,
+        `pending_health_check` (joined, first check not answered yet)
+    thrift_sidecar_cluster_panicking{cluster}                 gauge: 1 while too many are out (health ignored)
+    thrift_sidecar_upstream_connections{cluster,state}        gauge: pooled connections `busy`, `idle`,
+        `connecting`
+    thrift_sidecar_breaker_transitions_total{cluster}         counter: breaker state changes
+    thrift_sidecar_health_checks_total{cluster,result}        counter: active checks `passed` / `failed`
+
+(The counters go on across a reload that rebuilds a cluster.)
+
 A (service, method) label set is one series whichever listener its calls came through (two
 listeners that both take a multiplexed `Svc:method` count in the same one: Prometheus leaves a
 repeated series undefined). The page is built in pieces of about `PIECE_LINES` lines
@@ -403,6 +417,53 @@ def _export_families(q) -> list:
     return [dropped, rejected, size, cap]
 
 
+ENDPOINT_STATES = ("available", "ejected", "failing_health_check", "pending_health_check")
+
+
+def _cluster_families(clusters: Iterable) -> list:
+    """`clusters`: (Cluster, its HealthChecker or None) pairs, as they are now."""
+    endpoints = GaugeMetricFamily("thrift_sidecar_cluster_endpoints",
+                                  "Endpoints of a cluster by what a pick makes of them.", labels=("cluster", "state"))
+    panicking = GaugeMetricFamily("thrift_sidecar_cluster_panicking",
+                                  "1 while more endpoints are out than max_open_percent (health ignored).",
+                                  labels=("cluster",))
+    conns = GaugeMetricFamily("thrift_sidecar_upstream_connections", "Pooled upstream connections.",
+                              labels=("cluster", "state"))
+    transitions = CounterMetricFamily("thrift_sidecar_breaker_transitions",
+                                      "Circuit breaker state changes of a cluster's endpoints.", labels=("cluster",))
+    checks = CounterMetricFamily("thrift_sidecar_health_checks", "Active health checks by result.",
+                                 labels=("cluster", "result"))
+    for cluster, checker in clusters:
+        name = cluster.name
+        states = dict.fromkeys(ENDPOINT_STATES, 0)
+        busy = idle = connecting = 0
+        for ep in list(cluster.endpoints):
+            if ep.pending:
+                states["pending_health_check"] += 1
+            elif not ep.healthy:
+                states["failing_health_check"] += 1
+            elif ep.breaker is not None and not ep.breaker.would_allow():
+                states["ejected"] += 1
+            else:
+                states["available"] += 1
+            for pool in list(ep.pools.values()):
+                busy += pool.open - pool.connecting - len(pool.idle)
+                idle += len(pool.idle)
+                connecting += pool.connecting
+        for state, n in states.items():
+            endpoints.add_metric((name, state), n)
+        panicking.add_metric((name,), 1 if cluster.snapshot_panicking() else 0)
+        conns.add_metric((name, "busy"), busy)
+        conns.add_metric((name, "idle"), idle)
+        conns.add_metric((name, "connecting"), connecting)
+        transitions.add_metric((name,), cluster.stats.get("breaker_transitions", 0))
+        if checker is not None:
+            st = checker.stats
+            checks.add_metric((name, "passed"), st["checks"] - st["failures"])
+            checks.add_metric((name, "failed"), st["failures"])
+    return [endpoints, panicking, conns, transitions, checks]
+
+
 class _Families:
     """Some metric families, as prometheus_client's `generate_latest` takes a registry."""
 
@@ -428,6 +489,7 @@ class _Collector:
         for build, _lines in _SERIES_FAMILIES:
             yield build(stats)
         yield from _export_families(self.metrics.export_queue)
+        yield from _cluster_families(self.metrics.clusters())
 
 
 class Metrics:
@@ -439,6 +501,7 @@ class Metrics:
         self.services: dict[str, ServiceMetrics] = {}
         self.labels = LabelSets()  # every service's label sets, each once
         self.export_queue = None  # anything with .dropped, .failed, .size, .capacity
+        self.clusters: Callable[[], Iterable] = tuple  # (Cluster, HealthChecker | None) pairs, now
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
 
@@ -453,6 +516,10 @@ class Metrics:
 
     def watch_exporter(self, queue) -> None:
         self.export_queue = queue
+
+    def watch_clusters(self, clusters: Callable[[], Iterable]) -> None:
+        """`clusters()`: the current (Cluster, HealthChecker | None) pairs, asked at each scrape."""
+        self.clusters = clusters
 
     def pieces(self) -> Iterator[bytes]:
         """The Prometheus text page in pieces of about PIECE_LINES lines, each formatted (by
@@ -474,7 +541,8 @@ class Metrics:
                     n = 0
             if chunk or first:
                 yield _format(build(chunk), first)
-        yield generate_latest(_Families(_export_families(self.export_queue)))
+        yield generate_latest(_Families(_export_families(self.export_queue)
+                                        + _cluster_families(self.clusters())))
 
     def exposition(self) -> bytes:
         """The Prometheus text page (built now, from the buckets)."""

@@ -280,6 +280,7 @@ class Server:
         self.telemetry = telemetry
         if telemetry is not None and telemetry.queue is not None:
             self.metrics.watch_exporter(telemetry.queue)
+        self.metrics.watch_clusters(lambda: [(c, self.health.get(name)) for name, c in self.clusters.items()])
         self.lag = LoopLagMonitor(self.loop)
         self.admin: AdminServer | None = None
         self.clusters: dict[str, Cluster] = {}
@@ -408,6 +409,9 @@ class Server:
             prev = replaced.get(c.name) if replaced else None
             if prev is not None:
                 _carry_endpoints(prev, c)
+                # (counters /metrics shows go on across the rebuild)
+                c.stats["breaker_transitions"] = (c.stats.get("breaker_transitions", 0)
+                                                  + prev.stats.get("breaker_transitions", 0))
             old = self.health.pop(c.name, None)
             if old is not None:
                 self._stop_checker(old)
@@ -415,6 +419,8 @@ class Server:
             if hc is not None:
                 checker = self.health[c.name] = HealthChecker(c, hc.method, hc.interval, hc.timeout,
                                                                    hc.unhealthy_threshold, hc.healthy_threshold)
+                if old is not None:
+                    checker.stats = old.stats  # (counters /metrics shows go on across the rebuild)
                 was = {ep.key: ep for ep in old.cluster.endpoints} if old is not None else {}
                 for ep in c.endpoints:
                     prev = was.get(ep.key)

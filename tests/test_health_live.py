@@ -322,3 +322,63 @@ def test_thresholds_are_read_from_the_config_and_logged():
             assert checker.stats["brought_back"] == 1
     finally:
         up.stop()
+
+
+def test_metrics_show_each_clusters_endpoints_by_state_its_connections_and_checks():
+    """/metrics, per cluster: `good` available, `sick` failing its check, `flaky` (its check
+    passes, its lookups fail) ejected by its breaker, `slow` pending (its first check takes
+    1 s); not panicking (max_open_percent 100); connections busy/idle; checks by result. A
+    scrape changes nothing: the open breaker stays open however often it is looked at."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from thrift.Thrift import TApplicationException
+
+    from harness import Handler, client
+
+    class SlowPing(Handler):
+        def ping(self):
+            time.sleep(1.0)
+            super().ping()
+
+    good, sick, flaky = ThriftServer(name="good"), ThriftServer(name="sick"), ThriftServer(name="flaky")
+    slow = ThriftServer(handler=SlowPing("slow"))
+    sick.handler.throw = {"ping"}
+    flaky.handler.throw = {"lookup"}
+    text = cfg([good.address, sick.address, flaky.address]) + (
+        "    circuit_breaker: {consecutive_failures: 2, open_for: 60s, max_open_percent: 100}\n")
+
+    def scrape() -> dict:
+        out = {}
+        for fam in text_string_to_metric_families(p.call(p.server.metrics.exposition).decode()):
+            for s in fam.samples:
+                if s.labels.get("cluster") == "up":
+                    out[(s.name, s.labels.get("state") or s.labels.get("result"))] = s.value
+        return out
+    try:
+        with Proxy(text) as p:
+            cluster = p.server.clusters["up"]
+            by_port = {ep.port: ep for ep in cluster.endpoints}
+            wait_for(lambda: not any(ep.pending for ep in cluster.endpoints) and not by_port[sick.port].healthy,
+                     5, "the first checks")
+            with client(p.port()) as c:
+                for i in range(8):
+                    try:
+                        c.lookup(f"k{i}")
+                    except TApplicationException:
+                        pass
+            assert by_port[flaky.port].breaker.state_name == "open"
+            p.call(cluster.set_endpoints, [*cluster.endpoints, Endpoint("127.0.0.1", slow.port)])
+            m = scrape()
+            assert {k[1]: v for k, v in m.items() if k[0] == "thrift_sidecar_cluster_endpoints"} == {
+                "available": 1, "ejected": 1, "failing_health_check": 1, "pending_health_check": 1}
+            assert m[("thrift_sidecar_cluster_panicking", None)] == 0
+            assert m[("thrift_sidecar_breaker_transitions_total", None)] >= 1
+            assert m[("thrift_sidecar_health_checks_total", "failed")] >= 1
+            assert m[("thrift_sidecar_health_checks_total", "passed")] >= 2
+            assert m[("thrift_sidecar_upstream_connections", "busy")] == 0
+            assert m[("thrift_sidecar_upstream_connections", "idle")] >= 1
+            for _ in range(3):
+                scrape()
+            assert by_port[flaky.port].breaker.state_name == "open"
+    finally:
+        for s in (good, sick, flaky, slow):
+            s.stop()

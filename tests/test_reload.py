@@ -261,9 +261,12 @@ def test_a_rebuilt_cluster_keeps_what_its_health_checks_knew():
             wait_for(lambda: health() == {up.address: True, dead: False}, timeout=5,
                      what="the first checker to take the silent endpoint out")
             old = p.call(lambda: p.server.clusters["up"])
+            checks = p.call(lambda: dict(p.server.health["up"].stats))
             assert _apply(p, text("300ms"))
             assert p.call(lambda: p.server.clusters["up"]) is not old
             assert health() == {up.address: True, dead: False}  # (the new checker's round is still on)
+            # the new checker's counters go on from the old one's (/metrics: counters never go back)
+            assert p.call(lambda: p.server.health["up"].stats["checks"]) >= checks["checks"] >= 2
             with client(port) as c:
                 assert [c.lookup(f"k{i}") for i in range(6)] == [f"upstream:k{i}" for i in range(6)]
     finally:
@@ -301,6 +304,8 @@ def test_a_rebuilt_cluster_keeps_its_endpoints_breakers_and_latency():
             assert _apply(p, text("300ms"))
             assert p.call(lambda: p.server.clusters["up"]) is not old
             assert breakers() == {up.address: ("closed", 0), dead: ("open", 1)}
+            assert p.call(lambda: p.server.clusters["up"].stats["breaker_transitions"]) == \
+                old.stats["breaker_transitions"] >= 1  # (/metrics: the counter goes on)
             new = p.call(lambda: next(ep for ep in p.server.clusters["up"].endpoints if ep.label == dead))
             assert new.breaker.open_until == next(ep for ep in old.endpoints if ep.label == dead).breaker.open_until
             assert p.call(lambda: next(ep.ewma for ep in p.server.clusters["up"].endpoints
