@@ -76,7 +76,8 @@ class Cluster:
         self.server_name = server_name
         self.max_open_percent = max_open_percent
         self.panicking = False
-        self.stats = {"calls": 0, "no_endpoint": 0, "endpoint_changes": 0}
+        self.stats = {"calls": 0, "no_endpoint": 0, "endpoint_changes": 0, "retries": 0,
+                      "retries_refused_budget": 0, "retries_refused_limit": 0}
         self.discovery = None     # a proxy.discovery source, started by start()
         self.budget = None        # proxy.retry.RetryBudget (proxy.resilience.attach)
         self.limits = None        # proxy.retry.ConcurrencyLimits (proxy.resilience.attach)

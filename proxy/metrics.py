@@ -52,6 +52,9 @@ at without changing anything: no breaker goes half-open because it was scraped):
         `connecting`
     thrift_sidecar_breaker_transitions_total{cluster}         counter: breaker state changes
     thrift_sidecar_health_checks_total{cluster,result}        counter: active checks `passed` / `failed`
+    thrift_sidecar_retries_total{cluster}                     counter: retries made
+    thrift_sidecar_retries_refused_total{cluster,reason}      counter: retries not made: `budget`
+        (the retry budget was spent), `limit` (max_retries in flight)
 
 (The counters go on across a reload that rebuilds a cluster.)
 
@@ -433,6 +436,11 @@ def _cluster_families(clusters: Iterable) -> list:
                                       "Circuit breaker state changes of a cluster's endpoints.", labels=("cluster",))
     checks = CounterMetricFamily("thrift_sidecar_health_checks", "Active health checks by result.",
                                  labels=("cluster", "result"))
+    retries = CounterMetricFamily("thrift_sidecar_retries", "Retries made (attempts after a call's first).",
+                                  labels=("cluster",))
+    refused = CounterMetricFamily("thrift_sidecar_retries_refused",
+                                  "Retries a route wanted that were not made: the retry budget was spent or "
+                                  "max_retries were in flight.", labels=("cluster", "reason"))
     for cluster, checker in clusters:
         name = cluster.name
         states = dict.fromkeys(ENDPOINT_STATES, 0)
@@ -456,12 +464,16 @@ def _cluster_families(clusters: Iterable) -> list:
         conns.add_metric((name, "busy"), busy)
         conns.add_metric((name, "idle"), idle)
         conns.add_metric((name, "connecting"), connecting)
-        transitions.add_metric((name,), cluster.stats.get("breaker_transitions", 0))
+        stats = cluster.stats
+        transitions.add_metric((name,), stats.get("breaker_transitions", 0))
+        retries.add_metric((name,), stats["retries"])
+        refused.add_metric((name, "budget"), stats["retries_refused_budget"])
+        refused.add_metric((name, "limit"), stats["retries_refused_limit"])
         if checker is not None:
             st = checker.stats
             checks.add_metric((name, "passed"), st["checks"] - st["failures"])
             checks.add_metric((name, "failed"), st["failures"])
-    return [endpoints, panicking, conns, transitions, checks]
+    return [endpoints, panicking, conns, transitions, checks, retries, refused]
 
 
 class _Families:

@@ -672,12 +672,14 @@ class Pipeline:
         limits = cluster.limits
         if limits is not None and not limits.try_enter_retry():
             self.stats["retries_refused_limit"] += 1
+            cluster.stats["retries_refused_limit"] += 1
             call.no_retry = (f"not retried: cluster '{cluster.name}' has {limits.retries} retries in "
                              f"flight (max_retries {limits.max_retries})")
             return False
         budget = cluster.budget
         if budget is not None and not budget.try_withdraw():
             self.stats["retries_refused_budget"] += 1
+            cluster.stats["retries_refused_budget"] += 1
             call.no_retry = f"not retried: the retry budget of cluster '{cluster.name}' is spent"
             if limits is not None:
                 limits.leave_retry()
@@ -706,6 +708,7 @@ class Pipeline:
         self.start_attempt(call, retry_reason=reason)
         if len(call.attempts) > tried:
             self.stats["retries"] += 1  # (made: a retry whose client left in its backoff is not)
+            call.cluster.stats["retries"] += 1
         elif call.cluster.limits is not None:
             # No attempt was made (e.g. no endpoint): the slot is free again. An attempt that
             # was made holds it (Attempt.is_retry) until it ends, which may have been already.

@@ -221,6 +221,10 @@ def build_route(r: cfgmod.Route, index: int, clusters: dict[str, Cluster], rng: 
     return route
 
 
+# a cluster's counters that /metrics shows: a rebuilt cluster goes on from its predecessor's
+CARRIED_COUNTERS = ("breaker_transitions", "retries", "retries_refused_budget", "retries_refused_limit")
+
+
 def _carry_endpoints(old: Cluster, new: Cluster) -> None:
     """The endpoints a rebuilt cluster keeps (same host and port) go on with what the old ones
     learnt: their breaker's ejection (else every reload put an ejected endpoint straight back,
@@ -410,8 +414,8 @@ class Server:
             if prev is not None:
                 _carry_endpoints(prev, c)
                 # (counters /metrics shows go on across the rebuild)
-                c.stats["breaker_transitions"] = (c.stats.get("breaker_transitions", 0)
-                                                  + prev.stats.get("breaker_transitions", 0))
+                for key in CARRIED_COUNTERS:
+                    c.stats[key] = c.stats.get(key, 0) + prev.stats.get(key, 0)
             old = self.health.pop(c.name, None)
             if old is not None:
                 self._stop_checker(old)

@@ -243,8 +243,14 @@ clusters:
         assert stats["clusters"]["up"]["retry_budget"]["retries"] == retried  # paid only for retries made
         with _send(port, "count", "k") as s:
             assert "connect to" in _answer(s)
-        stats = p.call(p.server.snapshot)["listeners"]["test"]
+        snap = p.call(p.server.snapshot)
+        stats = snap["listeners"]["test"]
         assert (stats["retries"], stats["retries_refused_budget"]) == (retried + 1, 0)
+        # the cluster counts them too, and /metrics shows its counts
+        assert (snap["clusters"]["up"]["retries"], snap["clusters"]["up"]["retries_refused_budget"]) == (retried + 1, 0)
+        page = p.call(p.server.metrics.exposition).decode()
+        assert f'thrift_sidecar_retries_total{{cluster="up"}} {retried + 1}.0' in page, page
+        assert 'thrift_sidecar_retries_refused_total{cluster="up",reason="budget"} 0.0' in page
 
 
 def test_waits_given_up_leave_the_pools_queue():

@@ -219,8 +219,14 @@ def test_the_client_hears_why_its_call_was_not_retried(case, cluster_extra, says
         with client(p.port()) as c:
             with pytest.raises(TApplicationException) as info:
                 c.incr("x")
+        page = p.call(p.server.metrics.exposition).decode()
     msg = info.value.message
     assert msg.startswith("thrift-sidecar: not sent: connect to ") and msg.endswith(says), msg
+    # /metrics counts the retries made and those refused, by reason
+    made, budget, limit = {"budget": (0, 1, 0), "max_retries": (0, 0, 1), "exhausted": (2, 0, 0)}[case]
+    assert f'thrift_sidecar_retries_total{{cluster="up"}} {made}.0' in page
+    assert f'thrift_sidecar_retries_refused_total{{cluster="up",reason="budget"}} {budget}.0' in page
+    assert f'thrift_sidecar_retries_refused_total{{cluster="up",reason="limit"}} {limit}.0' in page
 
 
 def test_a_call_an_earlier_attempt_may_have_run_says_which_attempt_did():
