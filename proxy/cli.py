@@ -47,12 +47,16 @@ def _seconds(low: float, high: float):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse's, except that a help or version text that cannot be written is an error
-    (`main` says so, exit 1): argparse drops the OSError and exits 0."""
+    """argparse's, except that a help or version text that cannot be written to stdout is an
+    error (`main` says so, exit 1): argparse drops the OSError and exits 0 (and a buffered
+    stdout only fails at exit, exit 120). Usage errors on stderr are argparse's (exit 2)."""
 
     def _print_message(self, message: str, file=None) -> None:
-        if message:
-            (file or sys.stderr).write(message)
+        if message and file is sys.stdout and file is not None:
+            file.write(message)
+            file.flush()
+        else:
+            super()._print_message(message, file)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -122,7 +126,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        return _main(argv)
+        code = _main(argv)
+        sys.stdout.flush()  # (a full disk is said here; at exit it would be exit 120 and a traceback)
+        return code
     except BrokenPipeError:  # `check-config F | head -1`: the reader left; nothing to say to it
         # (stdout's buffer still holds what could not be written: point it at /dev/null, so
         # that flushing it at exit does not fail again)

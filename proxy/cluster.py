@@ -3,8 +3,8 @@
 `pick()` filters endpoints whose breaker is open or whose active health check
 fails (unless more than `max_open_percent` are out: then the cluster panics
 and ignores health), and those still waiting for their first health check
-(`pending`: counted neither in nor out, used only when no checked endpoint
-may take the call), then asks the balancer. `pool()` returns the pool for (endpoint, framing,
+(`pending`: counted neither in nor out, used, before any panic, only when no
+checked endpoint may take the call), then asks the balancer (`_sort`). `pool()` returns the pool for (endpoint, framing,
 protocol); TLS is the cluster's own, so the key is complete. Each pool tells
 its endpoint of its connects (`_connect_hooks`): one in progress counts in
 `outstanding`, one that fails counts against the endpoint's breaker.
@@ -57,6 +57,14 @@ def _connect_hooks(endpoint: Endpoint):
             endpoint.breaker.record(False, 0)
 
     return start, end, refused
+
+
+def _allows(breaker) -> bool:
+    return breaker.allows()
+
+
+def _would_allow(breaker) -> bool:
+    return breaker.would_allow()
 
 
 class Cluster:
@@ -219,33 +227,49 @@ class Cluster:
 
     def _usable(self, eps: list[Endpoint]) -> list[Endpoint]:
         """The endpoints a pick may use when some may be out (health check failing, breaker
-        open) or not yet checked (`pending`): the checked ones that are in; else (none is) the
-        pending ones whose breaker allows, since unknown beats known bad; or all of them while
-        the cluster panics, which only checked endpoints decide (Envoy's excluded hosts: a
-        scale-up does not panic a cluster). Keeps `panicking` current."""
-        known = [ep for ep in eps if not ep.pending]
-        healthy = [ep for ep in known if ep.healthy and (ep.breaker is None or ep.breaker.allows())]
-        out = len(known) - len(healthy)
-        panic = out > 0 and panicking(out, len(known), self.max_open_percent)
+        open) or not yet checked (`pending`); keeps `panicking` current (`_sort`)."""
+        healthy, pending, out, judged = self._sort(eps, _allows)
+        panic = out > 0 and bool(healthy or not pending) and panicking(out, judged, self.max_open_percent)
         if panic != self.panicking:
             self.panicking = panic
             if panic:
                 log.warning("cluster %s panics: %d of %d endpoints out (breaker open or health check "
                             "failing; more than %g%%); ignoring health",
-                            self.name, out, len(eps), self.max_open_percent)
+                            self.name, out, judged, self.max_open_percent)
             else:
                 log.info("cluster %s leaves panic", self.name)
-        if panic:
-            return eps
-        if healthy or len(known) == len(eps):
-            return healthy
-        return [ep for ep in eps if ep.pending and (ep.breaker is None or ep.breaker.allows())]
+        return eps if panic else (healthy or pending)
+
+    @staticmethod
+    def _sort(eps: list[Endpoint], allows) -> tuple[list[Endpoint], list[Endpoint], int, int]:
+        """(checked endpoints that are in, pending ones whose breaker allows, endpoints out,
+        endpoints judged). A pick uses the first list; if it is empty, the second (unknown beats
+        known bad); it panics (uses all, health ignored) when more than `max_open_percent` of
+        the judged endpoints are out, unless only pending ones are left to use. A pending
+        endpoint is judged only once its breaker is open: waiting for a first check, it counts
+        neither in nor out (Envoy's excluded hosts: a scale-up does not panic a cluster).
+        `allows(breaker)`: whether it lets a call through (`Breaker.allows` for a pick, which
+        may move it to half-open; `would_allow` for a look)."""
+        healthy: list[Endpoint] = []
+        pending: list[Endpoint] = []
+        out = judged = 0
+        for ep in eps:
+            if ep.pending:
+                if ep.breaker is None or allows(ep.breaker):
+                    pending.append(ep)
+                    continue
+            elif ep.healthy and (ep.breaker is None or allows(ep.breaker)):
+                healthy.append(ep)
+                judged += 1
+                continue
+            out += 1
+            judged += 1
+        return healthy, pending, out, judged
 
     def snapshot_panicking(self) -> bool:
         """Whether a pick now would find the cluster panicking, changing nothing (`snapshot`)."""
-        known = [ep for ep in self.endpoints if not ep.pending]
-        out = sum(1 for ep in known if not ep.healthy or (ep.breaker is not None and not ep.breaker.would_allow()))
-        return out > 0 and panicking(out, len(known), self.max_open_percent)
+        healthy, pending, out, judged = self._sort(self.endpoints, _would_allow)
+        return out > 0 and bool(healthy or not pending) and panicking(out, judged, self.max_open_percent)
 
     def snapshot(self) -> dict:
         """What /stats shows, as of now and changing nothing: looking is not a pick (no breaker

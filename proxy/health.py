@@ -154,7 +154,7 @@ class HealthChecker:
                 await asyncio.gather(*self._first, return_exceptions=True)
 
     def _check(self, ep):
-        self._seqid += 1
+        self._seqid = self._seqid % 0x7FFFFFFF + 1  # (1 .. 2**31-1: an i32 on the wire, never 0)
         return check_once(ep.host, ep.port, self.method, self.cluster.framing, self.cluster.protocol,
                           self.timeout, self._seqid, self.cluster.ssl, self.cluster.server_name or ep.host)
 

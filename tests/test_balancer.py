@@ -14,6 +14,7 @@ the two candidates that seed draws (the RNG is replayed to know them).
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 
@@ -258,3 +259,38 @@ def test_looking_at_a_cluster_changes_no_breaker_and_no_panic(caplog):
     assert not caplog.records, [r.getMessage() for r in caplog.records]
     c.pick()  # a pick is what moves them
     assert all(ep.breaker.state is HALF_OPEN for ep in eps[:3]) and len(moves) == 6
+
+
+@pytest.mark.parametrize("case", ["known_bad_and_pending", "all_pending_all_open", "panic_with_pending",
+                                  "healthy_and_pending", "all_pending"])
+def test_endpoints_waiting_for_their_first_check_are_used_before_any_panic(case, caplog):
+    """Pending endpoints (their first health check not answered yet) count neither in nor out,
+    and a pick uses them only when no checked endpoint may take the call, before panicking:
+    unknown beats known bad. A pending endpoint whose breaker is open is judged (out). /stats
+    (snapshot) says what a pick would find."""
+    from proxy import config
+    from proxy.breaker import Breaker
+    clock = ManualClock()
+    # (healthy, pending, breaker open) per endpoint; then what a pick may return, and panic
+    table = {
+        "known_bad_and_pending": ([(False, False, False), (False, True, False)], {1}, False),
+        "all_pending_all_open": ([(False, True, True), (False, True, True)], {0, 1}, True),
+        "panic_with_pending": ([(True, False, False)] + [(False, False, False)] * 3 + [(False, True, False)] * 2,
+                               set(range(6)), True),
+        "healthy_and_pending": ([(True, False, False)] * 3 + [(False, True, False)], {0, 1, 2}, False),
+        "all_pending": ([(False, True, False)] * 3, {0, 1, 2}, False),
+    }
+    shape, want, panic = table[case]
+    eps = endpoints([1] * len(shape))
+    for ep, (healthy, pending, open_) in zip(eps, shape):
+        ep.healthy, ep.pending = healthy, pending
+        ep.breaker = Breaker(config.CircuitBreaker(consecutive_failures=1, open_for=60.0), clock)
+        if open_:
+            ep.breaker.record(False, ep.breaker.on_pick())
+    c = make_cluster(eps)
+    assert c.snapshot()["panicking"] is panic
+    with caplog.at_level(logging.WARNING, logger="proxy.cluster"):
+        picked = {eps.index(c.pick()) for _ in range(200)}
+    assert picked == want and c.panicking is panic
+    if case == "panic_with_pending":  # (judged: the 4 checked ones)
+        assert "cluster c panics: 3 of 4 endpoints out" in caplog.text

@@ -382,3 +382,24 @@ def test_metrics_show_each_clusters_endpoints_by_state_its_connections_and_check
     finally:
         for s in (good, sick, flaky, slow):
             s.stop()
+
+
+@pytest.mark.parametrize("protocol", ["binary", "compact"])
+def test_check_seqids_wrap_within_an_i32(protocol):
+    """Each check takes the next seqid; past 2**31-1 they start again at 1. Before: the next
+    check could not be encoded (binary) or came back negative (compact), and every check of
+    every endpoint failed from then on (~6 h for 1,000 endpoints checked every 10 ms)."""
+    up = ThriftServer(protocol=protocol)
+    text = cfg([up.address]).replace("protocol: binary", f"protocol: {protocol}").replace(
+        "listen: 127.0.0.1:0", f"listen: 127.0.0.1:0\n    protocol: {protocol}")
+    try:
+        with Proxy(text) as p:
+            checker = p.server.health["up"]
+            (ep,) = p.server.clusters["up"].endpoints
+            wait_for(lambda: checker.stats["checks"] >= 1, 5, "a first check")
+            p.call(setattr, checker, "_seqid", 2**31 - 3)
+            wait_for(lambda: checker.stats["checks"] >= 6, 5, "checks past the wrap")
+            assert checker.stats["failures"] == 0 and ep.healthy
+            assert 1 <= checker._seqid < 100
+    finally:
+        up.stop()
