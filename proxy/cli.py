@@ -127,7 +127,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     try:
         code = _main(argv)
-        sys.stdout.flush()  # (a full disk is said here; at exit it would be exit 120 and a traceback)
+        if sys.stdout is not None:  # (None: started with stdout closed)
+            sys.stdout.flush()  # (a full disk is said here; at exit it would be exit 120 and a traceback)
         return code
     except BrokenPipeError:  # `check-config F | head -1`: the reader left; nothing to say to it
         # (stdout's buffer still holds what could not be written: point it at /dev/null, so

@@ -2,7 +2,8 @@
 
 A TApplicationException (logged with its type and message), a declared
 exception, a reply that does not decode, a timeout or a connection failure
-is a failed check; `unhealthy_threshold` failed checks in a row (default 1)
+is a failed check; `unhealthy_threshold` failed checks in a row (default 1;
+an answer that says it is not well, such as an exception, counts at once)
 take the endpoint out (`ep.healthy = False`, so the balancer skips it like an
 open breaker) and `healthy_threshold` passing ones bring it back. An endpoint that joins the cluster (discovery, a reload) is
 `pending` until its first check answers, checked at once rather than at the
@@ -33,6 +34,12 @@ from proxy.codec.wire import AppErrorType
 from proxy.pool import describe_connect_error
 
 log = logging.getLogger(__name__)
+
+# What `check_once` says when no answer came (a connect that failed, a timeout, a connection
+# lost) or the check itself raised: these count toward `unhealthy_threshold`. An answer that says
+# the endpoint is not well (a TApplicationException, a declared exception, a bad reply) takes it
+# out at once, as an unexpected HTTP status does in Envoy's checks.
+NO_ANSWER = ("connect failed", "no reply within", "connection closed before the reply", "check raised")
 
 
 def describe_app_exception(reply) -> str:
@@ -195,7 +202,8 @@ class HealthChecker:
             ep.streak = 0
         else:
             ep.streak += 1
-            need = self.healthy_threshold if healthy else self.unhealthy_threshold
+            need = (self.healthy_threshold if healthy else
+                    self.unhealthy_threshold if why.startswith(NO_ANSWER) else 1)
             if ep.streak < need:
                 log.info("health check %s() of %s in cluster %s %s (%d of %d in a row to %s)",
                          self.method, ep.label, self.cluster.name,

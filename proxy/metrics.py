@@ -446,11 +446,12 @@ def _cluster_families(clusters: Iterable) -> list:
         states = dict.fromkeys(ENDPOINT_STATES, 0)
         busy = idle = connecting = 0
         for ep in list(cluster.endpoints):
-            if ep.pending:
+            allowed = ep.breaker is None or ep.breaker.would_allow()
+            if ep.pending and allowed:
                 states["pending_health_check"] += 1
-            elif not ep.healthy:
+            elif not ep.healthy and not ep.pending:
                 states["failing_health_check"] += 1
-            elif ep.breaker is not None and not ep.breaker.would_allow():
+            elif not allowed:  # (also one pending: judged out, as a pick judges it)
                 states["ejected"] += 1
             else:
                 states["available"] += 1

@@ -221,10 +221,6 @@ def build_route(r: cfgmod.Route, index: int, clusters: dict[str, Cluster], rng: 
     return route
 
 
-# a cluster's counters that /metrics shows: a rebuilt cluster goes on from its predecessor's
-CARRIED_COUNTERS = ("breaker_transitions", "retries", "retries_refused_budget", "retries_refused_limit")
-
-
 def _carry_endpoints(old: Cluster, new: Cluster) -> None:
     """The endpoints a rebuilt cluster keeps (same host and port) go on with what the old ones
     learnt: their breaker's ejection (else every reload put an ejected endpoint straight back,
@@ -284,7 +280,11 @@ class Server:
         self.telemetry = telemetry
         if telemetry is not None and telemetry.queue is not None:
             self.metrics.watch_exporter(telemetry.queue)
-        self.metrics.watch_clusters(lambda: [(c, self.health.get(name)) for name, c in self.clusters.items()])
+        # What /metrics and /stats show: the clusters as of the last start or committed reload
+        # (`self.clusters` holds a reload's new ones while they start, before what the old ones
+        # knew of their endpoints' health is carried over).
+        self._shown: dict[str, Cluster] = {}
+        self.metrics.watch_clusters(lambda: [(c, self.health.get(name)) for name, c in self._shown.items()])
         self.lag = LoopLagMonitor(self.loop)
         self.admin: AdminServer | None = None
         self.clusters: dict[str, Cluster] = {}
@@ -336,6 +336,8 @@ class Server:
                 continue
             cluster = build_cluster(c, self.loop, self.rng, self.resolver)
             resilience.attach(cluster, c, monotonic)
+            if old is not None:  # its counters go on (also what calls still on the old one add)
+                cluster.stats = old.stats
             if (old is not None and old.discovery is not None and cluster.discovery is not None
                     and _same_source(self._cluster_cfg[c.name].endpoints, c.endpoints)):
                 cluster.discovery.inherit(old.discovery)  # (its last good set)
@@ -413,9 +415,6 @@ class Server:
             prev = replaced.get(c.name) if replaced else None
             if prev is not None:
                 _carry_endpoints(prev, c)
-                # (counters /metrics shows go on across the rebuild)
-                for key in CARRIED_COUNTERS:
-                    c.stats[key] = c.stats.get(key, 0) + prev.stats.get(key, 0)
             old = self.health.pop(c.name, None)
             if old is not None:
                 self._stop_checker(old)
@@ -430,9 +429,10 @@ class Server:
                     prev = was.get(ep.key)
                     if prev is None or prev.pending:
                         checker.adopt(ep)  # (its first round checks it)
-                    elif not prev.healthy:
-                        ep.healthy = False
+                    else:  # (what its checks knew: out, and how many in a row disagreed)
+                        ep.healthy, ep.streak = prev.healthy, prev.streak
                 checker.start()
+        self._shown = dict(self.clusters)
 
     async def _bind(self, lc: cfgmod.Listener, acceptor: _Acceptor, start_serving: bool = True):
         return await self.loop.create_server(
@@ -886,7 +886,7 @@ class Server:
     def snapshot(self) -> dict[str, Any]:
         """/stats: listeners, clusters (endpoints, breakers, pools, budgets, limits), health, exporter."""
         clusters = {}
-        for name, c in self.clusters.items():
+        for name, c in self._shown.items():
             snap = c.snapshot()
             snap["retry_budget"] = c.budget.snapshot()
             snap["limits"] = c.limits.snapshot()

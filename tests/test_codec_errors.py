@@ -586,3 +586,43 @@ def test_a_request_whose_struct_does_not_fill_its_frame_is_refused_with_its_head
         assert exact.next_message().name == "lookup"
         if protocol is B:
             assert Decoder(framing, protocol, whole_body=True).take(whole).name == "lookup"
+
+
+def test_a_zlib_request_deflated_twice_into_a_bomb_is_refused_before_it_inflates():
+    """197 bytes deflated twice can inflate to 16 MB (a list of empty structs), which the
+    listener inflated and scanned on the loop (~110 ms each, 7.7 s with the pure scanner). One
+    deflate cannot pass ~1032x: a payload that inflates past that is refused, with its head,
+    having inflated no more than that. Deflated once, a 4 MB payload is taken."""
+    head = struct.pack("!Ii", 0x80010001, 6) + b"lookup" + struct.pack("!i", 7)
+    n = 4_000_000
+    plain = head + b"\x0f\x00\x01\x0c" + struct.pack("!i", n) + b"\x00" * n + b"\x00"
+    twice = encode_header_frame(HeaderBlock(0, 7, 0, (1, 1), {}), zlib.compress(zlib.compress(plain, 9), 9))
+    assert len(twice) < 200
+    d = Decoder(Framing.HEADER, B, whole_body=True)
+    d.feed(twice)
+    with pytest.raises(ProtocolError) as e:
+        d.next_message()
+    assert "inflates past" in e.value.message and "compression bomb" in e.value.message
+    assert (e.value.head.name, e.value.head.seqid) == ("lookup", 7)
+    once = encode_header_frame(HeaderBlock(0, 7, 0, (1,), {}), zlib.compress(plain, 9))
+    d = Decoder(Framing.HEADER, B, whole_body=True)
+    d.feed(once)
+    assert d.next_message().name == "lookup"
+
+
+def test_a_truncated_zlib_request_is_scanned_as_far_as_it_inflates():
+    """A zlib stream without its end marker: Apache Thrift's Python reader takes what inflates,
+    so the scan does too (and refuses a second message in it), rather than refusing it."""
+    lookup = fx(Framing.FRAMED, B, "lookup-ok-call").plain
+    second = fx(Framing.FRAMED, B, "ping-call").plain
+    for payload, ok in [(lookup, True), (lookup + second, False)]:
+        z = zlib.compressobj()
+        cut = z.compress(payload) + z.flush(zlib.Z_SYNC_FLUSH)  # (no final block)
+        data = encode_header_frame(HeaderBlock(0, 5, B.header_id, (1,), {}), cut)
+        d = Decoder(Framing.HEADER, B, whole_body=True)
+        d.feed(data)
+        if ok:
+            assert d.next_message().name == "lookup"
+        else:
+            with pytest.raises(ProtocolError, match="a second message in one frame"):
+                d.next_message()

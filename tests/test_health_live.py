@@ -274,9 +274,10 @@ def test_a_cluster_whose_every_endpoint_waits_for_its_first_check_still_takes_ca
 
 @pytest.mark.parametrize("unhealthy, healthy", [(1, 1), (3, 2)])
 def test_thresholds_take_an_endpoint_out_and_back_after_that_many_checks_in_a_row(unhealthy, healthy):
-    """The checker's rule, fed results directly: `unhealthy_threshold` failures in a row take an
-    endpoint out, `healthy_threshold` passes in a row bring it back; a result that agrees with
-    the endpoint's state starts the count again. Its first check decides alone (Envoy's too)."""
+    """The checker's rule, fed results directly: `unhealthy_threshold` checks in a row that got
+    no answer take an endpoint out, `healthy_threshold` passes in a row bring it back; a result
+    that agrees with the endpoint's state starts the count again. Its first check decides alone,
+    and an answer that says it is not well (an exception) takes it out at once (Envoy's too)."""
     from types import SimpleNamespace
 
     from proxy.health import HealthChecker
@@ -288,7 +289,7 @@ def test_thresholds_take_an_endpoint_out_and_back_after_that_many_checks_in_a_ro
     for passed in [False, True,                          # first check fails: out at once; then one pass
                    True, True, False, True, True, True,  # back after `healthy` passes in a row
                    False, False, True, False, False, False, False]:
-        checker._record(ep, None if passed else "no")
+        checker._record(ep, None if passed else "no reply within 5ms")
         trail.append(ep.healthy)
     if (unhealthy, healthy) == (1, 1):
         assert trail == [False, True, True, True, False, True, True, True,
@@ -300,26 +301,41 @@ def test_thresholds_take_an_endpoint_out_and_back_after_that_many_checks_in_a_ro
     flips = sum(a != b for a, b in zip(trail, trail[1:]))
     assert checker.stats["taken_out"] + checker.stats["brought_back"] == flips
     assert not ep.pending
+    for _ in range(healthy):
+        checker._record(ep, None)
+    assert ep.healthy
+    checker._record(ep, "TApplicationException INTERNAL_ERROR: down for maintenance")
+    assert not ep.healthy  # (an answer: at once, whatever the threshold)
 
 
-def test_thresholds_are_read_from_the_config_and_logged():
-    """unhealthy_threshold 2: the first failed check is logged (1 of 2), the second takes the
-    endpoint out and says so."""
+def test_thresholds_are_read_from_the_config_and_logged(caplog):
+    """unhealthy_threshold 2: a check the server answers with an exception takes the endpoint
+    out at once; two passes bring it back; with the server gone (connects refused) the first
+    failed check is logged (1 of 2) and the second takes it out."""
     up = ThriftServer(name="up")
+    port = up.port
     text = cfg([up.address]).replace("method: ping}", "method: ping, unhealthy_threshold: 2, healthy_threshold: 2}")
     try:
-        with Proxy(text) as p:
+        with caplog.at_level(logging.INFO, logger="proxy.health"), Proxy(text) as p:
             checker = p.server.health["up"]
             (ep,) = p.server.clusters["up"].endpoints
             assert (checker.unhealthy_threshold, checker.healthy_threshold) == (2, 2)
             wait_for(lambda: ep.healthy and not ep.pending, 5, "the first check")
+            failures = checker.stats["failures"]
             up.handler.throw = {"ping"}
-            wait_for(lambda: ep.streak == 1 or not ep.healthy, 5, "one failed check")
-            wait_for(lambda: not ep.healthy, 5, "the second failed check")
-            assert checker.stats["taken_out"] == 1 and checker.stats["failures"] >= 2
+            wait_for(lambda: not ep.healthy, 5, "the answered check")
+            assert checker.stats["taken_out"] == 1 and checker.stats["failures"] == failures + 1
             up.handler.throw = set()
             wait_for(lambda: ep.healthy, 5, "two passing checks")
             assert checker.stats["brought_back"] == 1
+            up.stop()
+            wait_for(lambda: not ep.healthy, 5, "two refused connects")
+            assert checker.stats["taken_out"] == 2
+        lines = [r.getMessage() for r in caplog.records if r.name == "proxy.health"]
+        assert any("failed: connect failed:" in m and m.endswith("(1 of 2 in a row to take it out)")
+                   for m in lines), lines
+        assert any(m.startswith(f"health check ping() of 127.0.0.1:{port} in cluster up failed (2 in a row): "
+                                "connect failed") for m in lines), lines
     finally:
         up.stop()
 
@@ -379,6 +395,17 @@ def test_metrics_show_each_clusters_endpoints_by_state_its_connections_and_check
             for _ in range(3):
                 scrape()
             assert by_port[flaky.port].breaker.state_name == "open"
+            # a pending endpoint whose breaker opened is judged out, as a pick judges it: ejected
+            ep_slow = next(e for e in cluster.endpoints if e.port == slow.port)
+
+            def fail_twice():
+                for _ in range(2):
+                    ep_slow.breaker.record(False, ep_slow.breaker.on_pick())
+            p.call(fail_twice)
+            assert ep_slow.pending, "the test needs slow's first check still running"
+            m = scrape()
+            assert {k[1]: v for k, v in m.items() if k[0] == "thrift_sidecar_cluster_endpoints"} == {
+                "available": 1, "ejected": 2, "failing_health_check": 1, "pending_health_check": 0}
     finally:
         for s in (good, sick, flaky, slow):
             s.stop()

@@ -850,3 +850,62 @@ def test_a_reload_whose_file_takes_too_long_to_check_fails_and_the_next_one_work
             assert p.server.config.clusters[0].load_balancer == "random"
     finally:
         up.stop()
+
+
+def test_metrics_and_stats_show_the_old_clusters_until_a_reload_commits_and_counters_go_on():
+    """A reload rebuilds a cluster whose first DNS round is slow. While it runs, /metrics and
+    /stats still show the old cluster (its counters, its endpoint out), not the new one at 0
+    with every endpoint available (Prometheus took that dip for a counter reset); after the
+    commit the counters go on from where they were, also what calls still on the old cluster
+    add."""
+    from proxy import config as cfgmod
+
+    up = ThriftServer()
+    asked = []
+
+    async def resolver(host):
+        asked.append(host)
+        if len(asked) > 1:
+            await asyncio.sleep(1.0)  # the reload's first discovery round
+        return ["127.0.0.1"]
+
+    def text(ct: str) -> str:
+        return f"""
+listeners:
+  - name: test
+    service: TestService
+    listen: 127.0.0.1:0
+    routes:
+      - cluster: up
+clusters:
+  - name: up
+    endpoints: {{dns: {{name: 'up.svc:{up.port}', refresh: 60s}}}}
+    connect_timeout: {ct}
+"""
+
+    def shown() -> tuple[str, int, bool]:
+        page = p.call(p.server.metrics.exposition).decode()
+        retries = re.search(r'thrift_sidecar_retries_total\{cluster="up"\} (\S+)', page).group(1)
+        available = re.search(r'thrift_sidecar_cluster_endpoints\{cluster="up",state="available"\} (\S+)',
+                              page).group(1)
+        snap = p.call(p.server.snapshot)["clusters"]["up"]
+        return retries, int(float(available)), snap["retries"]
+
+    try:
+        with Proxy(text("1s"), resolver=resolver) as p:
+            old = p.server.clusters["up"]
+
+            def bump():
+                old.stats["retries"] += 500
+                old.endpoints[0].healthy = False  # (as a failed check leaves it)
+            p.call(bump)
+            assert shown() == ("500.0", 0, 500)
+            fut = asyncio.run_coroutine_threadsafe(p.server.apply(cfgmod.loads(text("2s"), "t.yaml")), p.loop)
+            time.sleep(0.3)
+            assert not fut.done() and p.server.clusters["up"] is not old, "the test needs the reload mid-way"
+            assert shown() == ("500.0", 0, 500)
+            assert fut.result(20)
+            p.call(old.stats.__setitem__, "retries", old.stats["retries"] + 1)  # (a call still on the old one)
+            assert shown()[0] == "501.0" and shown()[2] == 501
+    finally:
+        up.stop()

@@ -602,7 +602,9 @@ class Decoder:
                 if self.whole_body:  # checked like any frame's: inflated whole (up to max_frame_size,
                     # as its upstream would inflate it), then dropped; the message keeps the prefix
                     try:
-                        whole = inflate_all(memoryview(data)[payload:end], block.transforms, self.max_frame_size)
+                        # (complete=False: what a truncated stream inflates to is what its upstream reads)
+                        whole = inflate_all(memoryview(data)[payload:end], block.transforms,
+                                            self.max_frame_size, complete=False)
                         self._check_body(whole, msg.body, len(whole), protocol)
                     except ProtocolError as e:
                         raise e.with_head(msg.head)

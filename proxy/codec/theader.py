@@ -162,19 +162,33 @@ def inflate(payload, transforms: tuple[int, ...], limit: int) -> bytes:
     return bytes(data)
 
 
-def inflate_all(payload, transforms: tuple[int, ...], max_size: int) -> bytes:
-    """The whole inflated payload; refused if larger than max_size or cut short."""
+# Deflate's own bound on what one byte inflates to is ~1032: a payload inflating past this many
+# times its size (plus some slack for tiny ones) was deflated more than once to make it so, a
+# compression bomb (20 such requests of 197 bytes each, inflating to 16 MB, held the loop 2 s).
+MAX_INFLATE_RATIO = 1032
+INFLATE_SLACK = 64 * 1024
+
+
+def inflate_all(payload, transforms: tuple[int, ...], max_size: int, complete: bool = True) -> bytes:
+    """The whole inflated payload; refused if larger than max_size, larger than
+    MAX_INFLATE_RATIO times the payload (a bomb), or (`complete`) cut short."""
+    ratio_cap = MAX_INFLATE_RATIO * len(payload) + INFLATE_SLACK
+    cap = min(max_size, ratio_cap)
     data = payload
     for t in reversed(transforms):
         if t == THEADER_TRANSFORM_ZLIB:
             d = zlib.decompressobj()
             try:
-                data = d.decompress(data, max_size + 1)
+                data = d.decompress(data, cap + 1)
             except zlib.error as e:
                 raise ProtocolError(f"bad request: zlib payload does not inflate: {e}") from None
-            if len(data) > max_size:
-                raise ProtocolError(f"bad request: inflated payload exceeds {max_size} bytes")
-            if not d.eof:
+            if len(data) > cap:
+                if cap == max_size:
+                    raise ProtocolError(f"bad request: inflated payload exceeds {max_size} bytes")
+                raise ProtocolError(f"bad request: a {len(payload)}-byte zlib payload inflates past "
+                                    f"{ratio_cap} bytes ({MAX_INFLATE_RATIO}x: deflated more than once, "
+                                    "a compression bomb?)")
+            if complete and not d.eof:
                 raise ProtocolError("bad request: zlib payload is truncated")
     return bytes(data)
 
