@@ -4,8 +4,9 @@
 fails (unless more than `max_open_percent` are out: then the cluster panics
 and ignores health), and those still waiting for their first health check
 (`pending`: counted neither in nor out, used, before any panic, only when no
-checked endpoint may take the call), then asks the balancer (`_sort`). `pool()` returns the pool for (endpoint, framing,
-protocol); TLS is the cluster's own, so the key is complete. Each pool tells
+checked endpoint may take the call), then asks the balancer (`_sort`).
+`pool()` returns the pool for (endpoint, framing, protocol); TLS is the
+cluster's own, so the key is complete. Each pool tells
 its endpoint of its connects (`_connect_hooks`): one in progress counts in
 `outstanding`, one that fails counts against the endpoint's breaker.
 

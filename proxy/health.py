@@ -5,17 +5,17 @@ exception, a reply that does not decode, a timeout or a connection failure
 is a failed check; `unhealthy_threshold` failed checks in a row (default 1;
 an answer that says it is not well, such as an exception, counts at once)
 take the endpoint out (`ep.healthy = False`, so the balancer skips it like an
-open breaker) and `healthy_threshold` passing ones bring it back. An endpoint that joins the cluster (discovery, a reload) is
-`pending` until its first check answers, checked at once rather than at the
-next round: the cluster uses it only when no checked endpoint may take a call
-(Envoy's new hosts wait for their first check the same way).
-Needs the cluster's framing and protocol (the config enforces
-it). Lifecycle work: one task per cluster, its own connections (never the
-pool's), so checks never queue behind calls. Whatever a check raises counts
-as that check's failure, and the task logs and survives anything else: it
-never stops while its cluster lives. Checks never touch the endpoint's
-breaker: `healthy` and the breaker are two separate filters
-(`proxy.cluster.Cluster.pick`).
+open breaker) and `healthy_threshold` passing ones bring it back. An endpoint
+that joins the cluster (discovery, a reload, the start) is `pending` until its
+first check answers, checked at once rather than at the next round: the
+cluster uses it only when no checked endpoint may take a call (Envoy's new
+hosts wait for their first check the same way). Needs the cluster's framing
+and protocol (the config enforces it). Lifecycle work: one task per cluster,
+its own connections (never the pool's), so checks never queue behind calls.
+Whatever a check raises counts as that check's failure, and the task logs and
+survives anything else: it never stops while its cluster lives. Checks never
+touch the endpoint's breaker: `healthy` and the breaker are two separate
+filters (`proxy.cluster.Cluster.pick`).
 """
 
 from __future__ import annotations
