@@ -60,6 +60,20 @@ def _connect_hooks(endpoint: Endpoint):
     return start, end, refused
 
 
+ENDPOINT_STATES = ("available", "ejected", "failing_health_check", "pending_health_check")
+
+
+def seen_state(ep: Endpoint) -> str:
+    """What a pick would make of `ep` now (one of ENDPOINT_STATES), changing nothing: a pending
+    endpoint whose breaker opened is judged out, as `Cluster._sort` judges it."""
+    allowed = ep.breaker is None or ep.breaker.would_allow()
+    if ep.pending and allowed:
+        return "pending_health_check"
+    if not ep.healthy and not ep.pending:
+        return "failing_health_check"
+    return "available" if allowed else "ejected"
+
+
 def _allows(breaker) -> bool:
     return breaker.allows()
 

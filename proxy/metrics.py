@@ -85,6 +85,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from proxy import spans
 from proxy.calls import (BAD_REQUEST, DECLARED_EXCEPTION, MAY_HAVE_RUN, NO_ROUTE, NOT_DELIVERED, NOT_SENT,
                          SUCCESS)
+from proxy.cluster import ENDPOINT_STATES, seen_state
 from proxy.codec.twins import load, pure_forced
 from proxy.logs import MAX_NAME
 
@@ -420,9 +421,6 @@ def _export_families(q) -> list:
     return [dropped, rejected, size, cap]
 
 
-ENDPOINT_STATES = ("available", "ejected", "failing_health_check", "pending_health_check")
-
-
 def _cluster_families(clusters: Iterable) -> list:
     """`clusters`: (Cluster, its HealthChecker or None) pairs, as they are now."""
     endpoints = GaugeMetricFamily("thrift_sidecar_cluster_endpoints",
@@ -446,17 +444,9 @@ def _cluster_families(clusters: Iterable) -> list:
         states = dict.fromkeys(ENDPOINT_STATES, 0)
         busy = idle = connecting = 0
         for ep in list(cluster.endpoints):
-            allowed = ep.breaker is None or ep.breaker.would_allow()
-            if ep.pending and allowed:
-                states["pending_health_check"] += 1
-            elif not ep.healthy and not ep.pending:
-                states["failing_health_check"] += 1
-            elif not allowed:  # (also one pending: judged out, as a pick judges it)
-                states["ejected"] += 1
-            else:
-                states["available"] += 1
+            states[seen_state(ep)] += 1
             for pool in list(ep.pools.values()):
-                busy += pool.open - pool.connecting - len(pool.idle)
+                busy += pool.busy()
                 idle += len(pool.idle)
                 connecting += pool.connecting
         for state, n in states.items():

@@ -392,7 +392,7 @@ class Pool:
         w.timer = None
         w.fire(None, UpstreamError(
             f"no connection to {self.label} within acquire_timeout "
-            f"{self.settings.acquire_timeout * 1000:.0f}ms ({self._busy()} busy, {self.connecting} connecting, "
+            f"{self.settings.acquire_timeout * 1000:.0f}ms ({self.busy()} busy, {self.connecting} connecting, "
             f"max_connections {self.settings.max_connections})",
             written=False, timeout=True, endpoint_fault=False))
 
@@ -422,11 +422,12 @@ class Pool:
             self.waiters.popleft().fire(None, UpstreamError(f"pool for {self.label} closed", written=False,
                                                             endpoint_fault=False))
 
-    def _busy(self) -> int:
+    def busy(self) -> int:
+        """Connections lent to a call now (open, not connecting, not idle)."""
         return self.open - self.connecting - len(self.idle)
 
     def snapshot(self) -> dict:
         return {"endpoint": self.label, "framing": self.framing.value, "protocol": self.protocol.value,
                 "open": self.open, "idle": len(self.idle), "connecting": self.connecting,
-                "busy": self._busy(), "waiting": len(self.waiters),
+                "busy": self.busy(), "waiting": len(self.waiters),
                 **self.stats}
