@@ -56,6 +56,20 @@ def proc_status(pid: int, key: str) -> int:
     raise KeyError(key)
 
 
+def reset_peak(pid: int) -> int:
+    """Start the process's peak RSS (VmHWM) afresh and return its RSS now, in KiB: the base to
+    measure a later VmHWM against. A VmHWM left from before (start-up, an earlier test) would
+    otherwise count as growth once the RSS fell below it. Where the kernel refuses the reset
+    (clear_refs needs Linux 4.0 and the process's owner), the old peak is the base: only growth
+    past it counts."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return proc_status(pid, "VmHWM")
+    return proc_status(pid, "VmRSS")
+
+
 def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 

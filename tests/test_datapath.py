@@ -15,6 +15,7 @@ from harness import (
     RawUpstream,
     free_ports,
     proc_status,
+    reset_peak,
     oneway_as_call_then_call,
     FRAMINGS,
     PROTOCOLS,
@@ -647,7 +648,7 @@ def test_oneways_to_an_upstream_that_stops_reading_do_not_pile_up_in_the_proxy()
                        extra_cluster="\n    pool: {max_connections: 2, acquire_timeout: 50ms}")
     p = ProxyProcess(text, [port])
     try:
-        base = proc_status(p.proc.pid, "VmRSS")
+        base = reset_peak(p.proc.pid)
         one = request_bytes("framed", "binary", "log_event", "e" * 10_000, seqid=0)
         with socket.create_connection(("127.0.0.1", port)) as s:
             for _ in range(80):

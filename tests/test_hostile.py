@@ -36,6 +36,7 @@ from harness import (
     free_ports,
     open_fds,
     proc_status,
+    reset_peak,
     read_messages,
     request_bytes,
     small_window_client,
@@ -96,7 +97,7 @@ class Sidecar:
         with client(self.buffered, "buffered") as c:
             c.ping()
         time.sleep(0.3)
-        self.base_rss = proc_status(self.pid, "VmRSS")
+        self.base_rss = reset_peak(self.pid)
 
     def stats(self) -> dict:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.admin}/stats", timeout=5) as r:
@@ -254,7 +255,7 @@ def test_garbage_bytes_get_protocol_error_then_close(guard, listener):
 @pytest.mark.parametrize("length", [0x7FFFFFFF, 0x80000000, 0xFFFFFFFF])
 def test_2gib_frame_length_refused_at_once_nothing_allocated(guard, length):
     head = request_bytes("framed", "binary", "echo", b"", seqid=21)[4:]
-    rss0 = proc_status(guard.pid, "VmRSS")
+    rss0 = reset_peak(guard.pid)
     filler = b"\x00" * (8 * MiB)
     with socket.create_connection(("127.0.0.1", guard.framed)) as s:
         t0 = time.monotonic()

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from harness import (Proxy, ProxyProcess, RawUpstream, ThriftServer, client, config_text, free_port, proc_status,
+from harness import (Proxy, ProxyProcess, RawUpstream, ThriftServer, client, config_text, free_port, proc_status, reset_peak,
                      app_exception, read_messages, reply_bytes, request_bytes, small_window_client,
                      wait_for)
 from proxy.codec import Decoder, Framing, MessageType, Protocol
@@ -345,7 +345,7 @@ def test_large_reply_behind_a_pending_call_waits_unread_with_bounded_memory(read
             with socket.create_connection(("127.0.0.1", port)) as s:  # warm up: pools, imports
                 s.sendall(request_bytes("framed", "binary", "ping", seqid=1))
                 read_messages(s, 1)
-            base = proc_status(p.proc.pid, "VmRSS")
+            base = reset_peak(p.proc.pid)
             with socket.create_connection(("127.0.0.1", port)) as s:
                 s.sendall(request_bytes("framed", "binary", "sleep", 800, seqid=2)
                           + request_bytes("framed", "binary", "echo", b"", seqid=3))
@@ -778,7 +778,7 @@ def test_256_mib_reply_streams_with_bounded_memory(framing):
             with socket.create_connection(("127.0.0.1", port)) as s:  # warm up: pools, imports
                 s.sendall(request_bytes(framing, "binary", "ping", seqid=1))
                 read_messages(s, 1, framing, "binary")
-            base = proc_status(p.proc.pid, "VmRSS")
+            base = reset_peak(p.proc.pid)
             with socket.create_connection(("127.0.0.1", port)) as s:
                 s.sendall(request_bytes(framing, "binary", "echo", b"", seqid=2))
                 s.settimeout(60)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from harness import (Proxy, ProxyProcess, RawUpstream, ThriftServer, client, config_text, free_port, proc_status,
+from harness import (Proxy, ProxyProcess, RawUpstream, ThriftServer, client, config_text, free_port, proc_status, reset_peak,
                      read_messages, reply_bytes, request_bytes, wait_for)
 from proxy.codec import AppErrorType, Decoder, Framing, MessageType, Protocol
 from proxy.codec.heads import read_head
@@ -626,7 +626,7 @@ def test_upstream_not_reading_holds_the_client_back_and_bounds_memory():
         with ProxyProcess(text, [port]) as p:
             with socket.create_connection(("127.0.0.1", port)) as s:  # warm up
                 s.sendall(request_bytes("framed", "binary", "ping", seqid=1))
-            base = proc_status(p.proc.pid, "VmRSS")
+            base = reset_peak(p.proc.pid)
             with socket.create_connection(("127.0.0.1", port)) as s:
                 s.settimeout(10)
                 sent = 0
@@ -707,7 +707,7 @@ def test_256_mib_request_streams_with_bounded_memory():
             with socket.create_connection(("127.0.0.1", port)) as s:  # warm up: pools, imports
                 s.sendall(request_bytes("framed", "binary", "ping", seqid=1))
                 read_messages(s, 1, "framed", "binary")
-            base = proc_status(p.proc.pid, "VmRSS")
+            base = reset_peak(p.proc.pid)
             up.requests.clear()
             with socket.create_connection(("127.0.0.1", port)) as s:
                 head = struct.pack("!i", total) + body
