@@ -124,7 +124,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _hold_standard_fds() -> None:
+    """Open /dev/null on any of fds 0-2 the process was started without (`run >&-`). Else the
+    first socket takes that number, and libuv aborts the process when it closes it (its
+    assertion `fd > STDERR_FILENO`), as would a log line written to a client's socket."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDONLY if fd == 0 else os.O_WRONLY)
+            if null != fd:  # (lower fds are open, so it is fd; this is belt and braces)
+                os.dup2(null, fd)
+                os.close(null)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _hold_standard_fds()
     try:
         code = _main(argv)
         if sys.stdout is not None:  # (None: started with stdout closed)

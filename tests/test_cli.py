@@ -181,6 +181,40 @@ def test_run_serves_then_drains_on_sigterm():
         up.stop()
 
 
+@pytest.mark.parametrize("closed", [(1,), (2,), (0,), (0, 1, 2)], ids=[">&-", "2>&-", "<&-", "all three"])
+def test_run_started_without_standard_fds_serves_and_stops_cleanly(tmp_path, closed):
+    """`thrift-sidecar run -c F >&-`: before, a socket took fd 1 and libuv aborted the process
+    when it closed it (`uv__close: Assertion fd > STDERR_FILENO`, exit 134) — here at the drain."""
+    up = ThriftServer()
+    port = free_port()
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(config_text([up.address], listen_port=port))
+    err = open(tmp_path / "stderr", "w+")
+
+    def close_fds():
+        for fd in closed:
+            os.close(fd)
+    proc = subprocess.Popen([sys.executable, "-m", "proxy", "run", "-c", str(cfg)], cwd=ROOT,
+                            stdout=err, stderr=err, preexec_fn=close_fds)
+    try:
+        deadline = time.monotonic() + 15
+        while not listening(port):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()
+            time.sleep(0.05)
+        for _ in range(3):  # new connections each time: fds come and go
+            with client(port) as c:
+                assert c.lookup("x") == "upstream:x"
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        up.stop()
+    out = (tmp_path / "stderr").read_text()
+    assert rc == 0 and "Assertion" not in out, (rc, out)
+
+
 def test_python_dash_m_and_console_script_agree():
     r1 = _cli("--help")
     exe = ROOT / ".venv" / "bin" / "thrift-sidecar"
