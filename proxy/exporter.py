@@ -75,7 +75,7 @@ class ExportQueue:
     def __init__(self, exporter: SpanExporter, build: Callable[[object], Sequence],
                  capacity: int = CAPACITY, batch_size: int = BATCH_SIZE, interval: float = INTERVAL,
                  max_bytes: int = MAX_BYTES, name: str = "thrift-sidecar-spans",
-                 export: Callable[[list], SpanExportResult] | None = None,
+                 export: Callable[..., SpanExportResult] | None = None,
                  max_request: int | None = None) -> None:
         self.exporter = exporter
         self.build = build
@@ -83,7 +83,9 @@ class ExportQueue:
         # one that wraps already encoded OTLP spans into a request and sends it
         self.export = export if export is not None else exporter.export
         # built items are bytes (encoded spans) and one export takes at most this many of them:
-        # a batch that holds more goes out as several exports, each counted for its own calls
+        # a batch that holds more goes out as several exports, each counted for its own calls;
+        # `export(chunks, since)` is then also given when the batch's first part was sent, so
+        # that all its parts share one export timeout (OTel's: "for each batch export")
         self.max_request = max_request
         self.capacity = capacity
         self.batch_size = batch_size
@@ -207,6 +209,7 @@ class ExportQueue:
         size = 0
         cap = self.max_request
         held = 0  # (bytes in `spans`, when capped)
+        since = None  # (when the batch's first part was sent, when capped)
         for item, nbytes in batch:
             size += nbytes
             try:
@@ -218,23 +221,29 @@ class ExportQueue:
             if cap is not None:
                 more = sum(map(len, made))
                 if spans and held + more > cap:
-                    self._send(spans, built)
+                    if since is None:
+                        since = time.monotonic()
+                    self._send(spans, built, since)
                     spans, built, held = [], 0, 0
                 held += more
             spans.extend(made)
             built += 1
-        self._send(spans, built)
+        if cap is not None and since is None:
+            since = time.monotonic()
+        self._send(spans, built, since)
         self._bytes_out += size
         with self._progress:
             self._handled += n
             self._progress.notify_all()
 
-    def _send(self, spans: list, built: int) -> None:
-        """Export the spans of `built` calls; count them exported or failed."""
+    def _send(self, spans: list, built: int, since: float | None) -> None:
+        """Export the spans of `built` calls; count them exported or failed. `since`: when
+        capped, when the batch's first part was sent."""
         ok = True
         if spans:
             try:
-                ok = self.export(spans) is SpanExportResult.SUCCESS
+                result = self.export(spans) if since is None else self.export(spans, since)
+                ok = result is SpanExportResult.SUCCESS
             except Exception:  # noqa: BLE001
                 ok = False
                 self._warn("span export raised", exc_info=True)

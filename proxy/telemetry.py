@@ -237,8 +237,8 @@ class Telemetry:
         call, service, listener, reason = item
         return [self.encode_call(call, service, listener, reason)]
 
-    def _export_encoded(self, chunks: list[bytes]):
-        return self.exporter.export_request(self.otlp.request(chunks))
+    def _export_encoded(self, chunks: list[bytes], since: float):
+        return self.exporter.export_request(self.otlp.request(chunks), since)
 
     def build_spans(self, call, service: str, listener: str | None = None,
                     reason: str | None = None) -> list[ReadableSpan]:

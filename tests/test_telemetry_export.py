@@ -180,11 +180,15 @@ def test_build_and_export_failures_are_counted(caplog):
 
 def test_a_capped_batch_goes_in_parts_each_counted_for_its_own_calls():
     """Encoded items of 40 bytes, at most 100 bytes per export: 5 calls go as 2 + 2 + 1; the
-    second export fails, and only its two calls count as failed."""
+    second export fails, and only its two calls count as failed. All three are told the same
+    start, when the first was sent: they share one export timeout."""
     sent: list[list[bytes]] = []
+    starts: list[float] = []
 
-    def export(chunks):
+    def export(chunks, since):
         sent.append(chunks)
+        starts.append(since)
+        time.sleep(0.01)
         return SpanExportResult.FAILURE if len(sent) == 2 else SpanExportResult.SUCCESS
 
     q = ExportQueue(InMemorySpanExporter(), lambda item: [item], batch_size=100, interval=30.0,
@@ -196,6 +200,7 @@ def test_a_capped_batch_goes_in_parts_each_counted_for_its_own_calls():
         assert [len(part) for part in sent] == [2, 2, 1]
         assert [part[0][0] for part in sent] == [0, 2, 4]  # (in order)
         assert (q.exported, q.failed) == (3, 2)
+        assert len(set(starts)) == 1 and starts[0] <= time.monotonic()
     finally:
         q.shutdown(2.0)
 

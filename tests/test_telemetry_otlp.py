@@ -169,7 +169,8 @@ def test_any_attribute_value_encodes_as_the_sdk_encodes_it(attrs, name, error, r
 class GrpcReceiver:
     """A TraceService/Export server taking raw bytes; `fail` codes are answered first, in order."""
 
-    def __init__(self, fail=(), response: bytes = b""):
+    def __init__(self, fail=(), response: bytes = b"", delay: float = 0.0):
+        self.delay = delay  # seconds before each answer
         self.requests: list[bytes] = []
         self.metadata: list[dict] = []
         self.fail = list(fail)
@@ -183,6 +184,7 @@ class GrpcReceiver:
 
     def _export(self, request: bytes, context):
         self.metadata.append(dict(context.invocation_metadata()))
+        time.sleep(self.delay)
         if self.fail:
             code = self.fail.pop(0)
             if isinstance(code, tuple):  # (code, seconds): with a google.rpc.RetryInfo
@@ -303,6 +305,31 @@ def test_a_batch_larger_than_a_receivers_4_mib_goes_as_several_requests():
         sizes = [len(body) for body in receiver.requests]
         assert len(sizes) >= 2 and max(sizes) <= MAX_REQUEST + 4096, sizes
         assert sum(len(received_spans(body)) for body in receiver.requests) == 13 * n
+        t.shutdown(5.0)
+    finally:
+        receiver.stop()
+
+
+def test_the_parts_of_one_batch_share_its_export_timeout(caplog):
+    """OTel's exporter timeout is "for each batch export". A batch of three parts to a collector
+    that answers each in 0.6 s, with a 1 s timeout: the first part is accepted, the second runs
+    out of time, the third is not sent. Before: each part had its own second, all three were
+    accepted, and a collector that never answers held the export worker three timeouts long."""
+    receiver = GrpcReceiver(delay=0.6)
+    try:
+        exporter = OtlpExporter(settings=settings_for("grpc", receiver.port, timeout=1.0), backoff_base=0.01)
+        t = Telemetry(tracing(), clock_offset_ns=OFFSET, rng=random.Random(5), exporter=exporter,
+                      interval=30.0, batch_size=100_000, capacity=100_000)
+        one = len(t.encode_call(fx.call_retry(), "UserService", "users", "head"))
+        n = (7 << 20) // one + 1  # (> 7 MiB of spans in one batch: three parts)
+        for _ in range(n):
+            assert t.finished(fx.call_retry(), "UserService", "users") == "head"
+        with caplog.at_level(logging.WARNING, logger="proxy"):
+            t.flush(30.0)
+        part = sum(len(received_spans(body)) for body in receiver.requests) // 13
+        assert len(receiver.requests) == 1 and t.queue.exported == part
+        assert t.queue.exported + t.queue.failed == n and t.queue.failed >= n // 2, (t.queue.exported, n)
+        assert "DEADLINE_EXCEEDED" in caplog.text or "no answer" in caplog.text or "deadline" in caplog.text, caplog.text
         t.shutdown(5.0)
     finally:
         receiver.stop()
