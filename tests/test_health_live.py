@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from harness import Proxy, RawUpstream, ThriftServer, wait_for
+from harness import Proxy, RawUpstream, ThriftServer, free_port, wait_for
 from proxy.codec import Framing, Protocol
 from proxy.endpoint import Endpoint
 from proxy.health import check_once
@@ -336,6 +336,42 @@ def test_thresholds_are_read_from_the_config_and_logged(caplog):
                    for m in lines), lines
         assert any(m.startswith(f"health check ping() of 127.0.0.1:{port} in cluster up failed (2 in a row): "
                                 "connect failed") for m in lines), lines
+    finally:
+        up.stop()
+
+
+def test_a_rebuilt_cluster_s_endpoints_keep_their_check_streak():
+    """unhealthy_threshold 3, the server gone: each reload that rebuilds the cluster starts a new
+    checker, whose first round checks at once. The endpoint's failed checks in a row go on from
+    the old cluster's (1, 2, then 3: out). Were the streak not carried, every rebuild would count
+    from 0 again and the endpoint would stay in, its connects refused, for as long as reloads
+    come more often than the threshold's checks (here: every round is a rebuild's first)."""
+    from proxy import config as cfgmod
+
+    up = ThriftServer(name="up")
+    port = free_port()
+
+    def text(timeout_ms: int) -> str:
+        return (cfg([up.address]).replace("127.0.0.1:0", f"127.0.0.1:{port}")
+                .replace("interval: 200ms, timeout: 200ms, method: ping}",
+                         f"interval: 1h, timeout: {timeout_ms}ms, method: ping, unhealthy_threshold: 3}}"))
+
+    try:
+        with Proxy(text(200)) as p:
+            (ep,) = p.server.clusters["up"].endpoints
+            wait_for(lambda: ep.healthy and not ep.pending, 5, "the first check")
+            up.stop()
+            seen = []
+            for n in (1, 2, 3):  # (each reload changes the check's timeout: the cluster is rebuilt)
+                checks = p.server.health["up"].stats["checks"]
+                assert asyncio.run_coroutine_threadsafe(
+                    p.server.apply(cfgmod.loads(text(200 + n), "test.yaml")), p.loop).result(20)
+                checker = p.server.health["up"]
+                (ep,) = p.server.clusters["up"].endpoints
+                wait_for(lambda: checker.stats["checks"] > checks, 5, f"rebuild {n}'s first round")
+                seen.append(p.call(lambda: (ep.healthy, ep.streak)))
+            assert seen == [(True, 1), (True, 2), (False, 0)]
+            assert checker.stats["taken_out"] == 1
     finally:
         up.stop()
 
