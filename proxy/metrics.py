@@ -78,6 +78,7 @@ from __future__ import annotations
 import asyncio
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -421,26 +422,25 @@ def _export_families(q) -> list:
     return [dropped, rejected, size, cap]
 
 
-def _cluster_families(clusters: Iterable) -> list:
+class _ClusterRow(NamedTuple):
+    """A cluster's numbers for /metrics, all read at one moment."""
+    name: str
+    states: dict
+    panicking: bool
+    busy: int
+    idle: int
+    connecting: int
+    transitions: int
+    retries: int
+    refused_budget: int
+    refused_limit: int
+    checks: tuple[int, int] | None  # (passed, failed); None: not health-checked
+
+
+def _cluster_rows(clusters: Iterable) -> list[_ClusterRow]:
     """`clusters`: (Cluster, its HealthChecker or None) pairs, as they are now."""
-    endpoints = GaugeMetricFamily("thrift_sidecar_cluster_endpoints",
-                                  "Endpoints of a cluster by what a pick makes of them.", labels=("cluster", "state"))
-    panicking = GaugeMetricFamily("thrift_sidecar_cluster_panicking",
-                                  "1 while more endpoints are out than max_open_percent (health ignored).",
-                                  labels=("cluster",))
-    conns = GaugeMetricFamily("thrift_sidecar_upstream_connections", "Pooled upstream connections.",
-                              labels=("cluster", "state"))
-    transitions = CounterMetricFamily("thrift_sidecar_breaker_transitions",
-                                      "Circuit breaker state changes of a cluster's endpoints.", labels=("cluster",))
-    checks = CounterMetricFamily("thrift_sidecar_health_checks", "Active health checks by result.",
-                                 labels=("cluster", "result"))
-    retries = CounterMetricFamily("thrift_sidecar_retries", "Retries made (attempts after a call's first).",
-                                  labels=("cluster",))
-    refused = CounterMetricFamily("thrift_sidecar_retries_refused",
-                                  "Retries a route wanted that were not made: the retry budget was spent or "
-                                  "max_retries were in flight.", labels=("cluster", "reason"))
+    rows = []
     for cluster, checker in clusters:
-        name = cluster.name
         states = dict.fromkeys(ENDPOINT_STATES, 0)
         busy = idle = connecting = 0
         for ep in list(cluster.endpoints):
@@ -449,22 +449,90 @@ def _cluster_families(clusters: Iterable) -> list:
                 busy += pool.busy()
                 idle += len(pool.idle)
                 connecting += pool.connecting
-        for state, n in states.items():
-            endpoints.add_metric((name, state), n)
-        panicking.add_metric((name,), 1 if cluster.snapshot_panicking() else 0)
-        conns.add_metric((name, "busy"), busy)
-        conns.add_metric((name, "idle"), idle)
-        conns.add_metric((name, "connecting"), connecting)
         stats = cluster.stats
-        transitions.add_metric((name,), stats.get("breaker_transitions", 0))
-        retries.add_metric((name,), stats["retries"])
-        refused.add_metric((name, "budget"), stats["retries_refused_budget"])
-        refused.add_metric((name, "limit"), stats["retries_refused_limit"])
+        checks = None
         if checker is not None:
             st = checker.stats
-            checks.add_metric((name, "passed"), st["checks"] - st["failures"])
-            checks.add_metric((name, "failed"), st["failures"])
-    return [endpoints, panicking, conns, transitions, checks, retries, refused]
+            checks = (st["checks"] - st["failures"], st["failures"])
+        rows.append(_ClusterRow(cluster.name, states, cluster.snapshot_panicking(), busy, idle, connecting,
+                                stats.get("breaker_transitions", 0), stats["retries"],
+                                stats["retries_refused_budget"], stats["retries_refused_limit"], checks))
+    return rows
+
+
+def _endpoints_family(rows: list[_ClusterRow]):
+    f = GaugeMetricFamily("thrift_sidecar_cluster_endpoints",
+                          "Endpoints of a cluster by what a pick makes of them.", labels=("cluster", "state"))
+    for r in rows:
+        for state, n in r.states.items():
+            f.add_metric((r.name, state), n)
+    return f
+
+
+def _panicking_family(rows: list[_ClusterRow]):
+    f = GaugeMetricFamily("thrift_sidecar_cluster_panicking",
+                          "1 while more endpoints are out than max_open_percent (health ignored).",
+                          labels=("cluster",))
+    for r in rows:
+        f.add_metric((r.name,), 1 if r.panicking else 0)
+    return f
+
+
+def _connections_family(rows: list[_ClusterRow]):
+    f = GaugeMetricFamily("thrift_sidecar_upstream_connections", "Pooled upstream connections.",
+                          labels=("cluster", "state"))
+    for r in rows:
+        f.add_metric((r.name, "busy"), r.busy)
+        f.add_metric((r.name, "idle"), r.idle)
+        f.add_metric((r.name, "connecting"), r.connecting)
+    return f
+
+
+def _transitions_family(rows: list[_ClusterRow]):
+    f = CounterMetricFamily("thrift_sidecar_breaker_transitions",
+                            "Circuit breaker state changes of a cluster's endpoints.", labels=("cluster",))
+    for r in rows:
+        f.add_metric((r.name,), r.transitions)
+    return f
+
+
+def _checks_family(rows: list[_ClusterRow]):
+    f = CounterMetricFamily("thrift_sidecar_health_checks", "Active health checks by result.",
+                            labels=("cluster", "result"))
+    for r in rows:
+        if r.checks is not None:
+            f.add_metric((r.name, "passed"), r.checks[0])
+            f.add_metric((r.name, "failed"), r.checks[1])
+    return f
+
+
+def _retries_family(rows: list[_ClusterRow]):
+    f = CounterMetricFamily("thrift_sidecar_retries", "Retries made (attempts after a call's first).",
+                            labels=("cluster",))
+    for r in rows:
+        f.add_metric((r.name,), r.retries)
+    return f
+
+
+def _refused_family(rows: list[_ClusterRow]):
+    f = CounterMetricFamily("thrift_sidecar_retries_refused",
+                            "Retries a route wanted that were not made: the retry budget was spent or "
+                            "max_retries were in flight.", labels=("cluster", "reason"))
+    for r in rows:
+        f.add_metric((r.name, "budget"), r.refused_budget)
+        f.add_metric((r.name, "limit"), r.refused_limit)
+    return f
+
+
+_CLUSTER_FAMILIES = (_endpoints_family, _panicking_family, _connections_family, _transitions_family,
+                     _checks_family, _retries_family, _refused_family)
+_CLUSTERS_PER_PIECE = PIECE_LINES // len(ENDPOINT_STATES)  # (the most lines a cluster has in a family)
+
+
+def _cluster_families(clusters: Iterable) -> list:
+    """`clusters`: (Cluster, its HealthChecker or None) pairs, as they are now."""
+    rows = _cluster_rows(clusters)
+    return [build(rows) for build in _CLUSTER_FAMILIES]
 
 
 class _Families:
@@ -544,8 +612,11 @@ class Metrics:
                     n = 0
             if chunk or first:
                 yield _format(build(chunk), first)
-        yield generate_latest(_Families(_export_families(self.export_queue)
-                                        + _cluster_families(self.clusters())))
+        rows = _cluster_rows(self.clusters())  # (read at once: pieces of one moment)
+        yield generate_latest(_Families(_export_families(self.export_queue)))
+        for build in _CLUSTER_FAMILIES:  # (a family's lines stay together: chunks within it)
+            for i in range(0, max(len(rows), 1), _CLUSTERS_PER_PIECE):
+                yield _format(build(rows[i:i + _CLUSTERS_PER_PIECE]), i == 0)
 
     def exposition(self) -> bytes:
         """The Prometheus text page (built now, from the buckets)."""
