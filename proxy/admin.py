@@ -5,12 +5,18 @@ and from the start of a drain; `/live` is 200 while the loop runs. The
 optional health listener serves only /ready and /live (kubelet probes on the
 pod IP); `metrics_listen` serves /metrics alone. Loopback-only binding unless
 `allow_remote` is checked at config load.
+
+/metrics and /stats are formatted in pieces, the loop serving calls between them: /stats of
+1,000 clusters is ~1.7 MB of indented JSON, ~70 ms for `json.dumps(indent=2)` at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
+from collections.abc import Iterator
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
@@ -48,7 +54,7 @@ def _app(sources: AdminSources, endpoints: set[str]) -> web.Application:
         return web.Response(body=await sources.metrics(), headers={"Content-Type": PROMETHEUS_TYPE})
 
     async def stats(_req: web.Request) -> web.Response:
-        return web.Response(text=json.dumps(sources.stats(), indent=2, default=str) + "\n",
+        return web.Response(text=await pretty_json_async(sources.stats()) + "\n",
                             content_type="application/json")
 
     async def config(_req: web.Request) -> web.Response:
@@ -60,6 +66,55 @@ def _app(sources: AdminSources, endpoints: set[str]) -> web.Application:
     for path in endpoints:
         app.router.add_get(path, handlers[path])
     return app
+
+
+SLICE = 0.002  # seconds of JSON formatting between two turns of the loop
+
+
+_ENCODER = json.JSONEncoder(indent=2, default=str)  # (json.dumps's, made once)
+_BIG = 64  # entries of a container worth its own pieces
+
+
+def pretty_json(obj: Any, indent: str = "", depth: int = 0) -> Iterator[str]:
+    """`json.dumps(obj, indent=2, default=str)` in pieces: the top two levels, and any dict or
+    list of more than 64 entries or holding one, go out an entry at a time; the rest (a
+    cluster's snapshot, say) is one piece. Each container split is copied before its entries
+    are formatted (a live dict that grows between two pieces is not an error); joined, the
+    pieces are json.dumps's text, byte for byte."""
+    is_dict = isinstance(obj, dict)
+    if not (is_dict or isinstance(obj, list)) or not obj or (is_dict and not all(isinstance(k, str) for k in obj)) or (
+            depth >= 2 and len(obj) <= _BIG
+            and not any(isinstance(v, (dict, list)) and len(v) > _BIG for v in (obj.values() if is_dict else obj))):
+        text = _ENCODER.encode(obj)
+        yield text.replace("\n", "\n" + indent) if indent else text
+        return
+    inner = indent + "  "
+    items = list(obj.items()) if is_dict else list(obj)
+    yield "{" if is_dict else "["
+    sep = "\n"
+    for item in items:
+        if is_dict:
+            key, value = item
+            yield f"{sep}{inner}{_ENCODER.encode(key)}: "
+        else:
+            value = item
+            yield sep + inner
+        yield from pretty_json(value, inner, depth + 1)
+        sep = ",\n"
+    yield f"\n{indent}{'}' if is_dict else ']'}"
+
+
+async def pretty_json_async(obj: Any) -> str:
+    """`pretty_json` joined, the loop running other work every SLICE seconds of formatting."""
+    out = []
+    clock = time.perf_counter
+    until = clock() + SLICE
+    for piece in pretty_json(obj):
+        out.append(piece)
+        if clock() > until:
+            await asyncio.sleep(0)
+            until = clock() + SLICE
+    return "".join(out)
 
 
 class _BadRequests(logging.Filter):
