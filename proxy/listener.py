@@ -34,7 +34,7 @@ from proxy.codec.wire import F_BUFFERED, F_FRAMED, M_CALL, M_ONEWAY
 from proxy import splice
 from proxy.calls import BAD_REQUEST, NOT_DELIVERED, NOT_SENT, TIMEOUT, Call, Upload
 from proxy.pipeline import PREFIX
-from proxy.sockets import sent_bytes, set_nodelay, unsent_bytes
+from proxy.sockets import sent_bytes, set_nodelay, unread_bytes, unsent_bytes
 
 log = logging.getLogger(__name__)
 
@@ -1136,6 +1136,11 @@ class ClientConnection(asyncio.Protocol):
             self._last_active = now
         quiet = (now - self._last_active) / 1e9
         if not self.decoder.buffered and quiet >= idle:
+            if unread_bytes(self.fd):
+                # a request the loop has not read yet (busy as this timer came due: libuv runs
+                # timers before it polls); closed now, it would be reset. Read first, look again.
+                self._idle_timer = self.state.loop.call_later(0.01, self._idle_check)
+                return
             self.state.stats["idle_closed"] += 1
             self.closing = True
             self.transport.close()

@@ -667,6 +667,37 @@ def test_oneways_to_an_upstream_that_stops_reading_do_not_pile_up_in_the_proxy()
         up.close()
 
 
+def test_a_request_that_came_as_the_idle_timer_fell_due_is_answered_not_reset():
+    """idle_timeout 200ms, and the loop busy (an I/O callback blocked 500 ms) as the timer falls
+    due; the next request arrives meanwhile. libuv runs due timers before it polls again: the
+    idle check saw a quiet connection and closed it with the request unread, a reset for the
+    client. Now unread bytes are read first, and the call is answered on the same connection."""
+    up = ThriftServer()
+    try:
+        with Proxy(config_text([up.address], extra_listener="\n    idle_timeout: 200ms")) as p:
+            with client(p.port()) as c:
+                assert c.lookup("a").endswith(":a")
+                time.sleep(0.08)
+                # the loop busy from ~80 to ~580 ms in an I/O callback, as with other connections'
+                # calls (a callback of call_soon would be followed by a poll before the timers)
+                busy, poke = socket.socketpair()
+
+                def block():
+                    p.loop.remove_reader(busy.fileno())
+                    time.sleep(0.5)
+                p.loop.call_soon_threadsafe(p.loop.add_reader, busy.fileno(), block)
+                time.sleep(0.01)
+                poke.send(b"x")
+                time.sleep(0.25)  # past the idle deadline, the loop still busy
+                assert c.lookup("b").endswith(":b")
+                busy.close()
+                poke.close()
+            state = p.server.listeners["test"]
+            assert (state.stats["accepted"], state.stats["idle_closed"]) == (1, 0)
+    finally:
+        up.stop()
+
+
 def test_idle_timeout_counts_from_the_last_reply_not_the_last_request():
     """idle_timeout 500ms and a call that takes 700 ms: the connection is busy, not idle, while
     the call runs, and idle only from its reply on. A call sent 50 ms after that reply is
