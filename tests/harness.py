@@ -70,6 +70,31 @@ def reset_peak(pid: int) -> int:
     return proc_status(pid, "VmRSS")
 
 
+def turns_while(make_awaitable) -> tuple:
+    """Run `make_awaitable()` on a fresh asyncio loop beside a task that counts the loop's turns:
+    (its result, how many times other work ran meanwhile)."""
+    import asyncio
+
+    async def main():
+        ticks = 0
+        done = False
+
+        async def ticker():
+            nonlocal ticks
+            while not done:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        t = asyncio.ensure_future(ticker())
+        await asyncio.sleep(0)
+        result = await make_awaitable()
+        done = True
+        await t
+        return result, ticks
+
+    return asyncio.run(main())
+
+
 def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 

@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import json
 
 from hypothesis import given, settings, strategies as st
 
+from harness import turns_while
 from proxy.admin import pretty_json, pretty_json_async
 
 
@@ -53,25 +53,7 @@ def test_a_large_page_lets_the_loop_run_while_it_is_formatted():
     """2,000 clusters' worth (~60 ms or more of formatting here): other work runs between the
     pieces, every SLICE (2 ms) of formatting (before: json.dumps held the loop for all of it)."""
     obj = _stats_like(2000)
-
-    async def main():
-        ticks = 0
-        done = False
-
-        async def ticker():
-            nonlocal ticks
-            while not done:
-                ticks += 1
-                await asyncio.sleep(0)
-
-        t = asyncio.ensure_future(ticker())
-        await asyncio.sleep(0)
-        text = await pretty_json_async(obj)
-        done = True
-        await t
-        return text, ticks
-
-    text, ticks = asyncio.run(main())
+    text, ticks = turns_while(lambda: pretty_json_async(obj))
     assert text == json.dumps(obj, indent=2, default=str)
     assert ticks >= 5, ticks
 

@@ -275,29 +275,11 @@ def test_many_clusters_are_formatted_in_pieces_too():
 def test_a_scrape_lets_the_loop_run_between_pieces():
     """The admin's /metrics awaits `exposition_async`: other work runs between its pieces, not
     after the whole page (before: one 140 ms stretch for 100 methods' hops)."""
-    import asyncio
+    from harness import turns_while
 
     m = _busy_metrics(40)
     pieces = len(list(m.pieces()))
-
-    async def main():
-        ticks = 0
-        done = False
-
-        async def ticker():
-            nonlocal ticks
-            while not done:
-                ticks += 1
-                await asyncio.sleep(0)
-
-        t = asyncio.ensure_future(ticker())
-        await asyncio.sleep(0)
-        body = await m.exposition_async()
-        done = True
-        await t
-        return body, ticks
-
-    body, ticks = asyncio.run(main())
+    body, ticks = turns_while(m.exposition_async)
     assert body == m.exposition()
     assert ticks >= pieces - 1
 
