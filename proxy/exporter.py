@@ -10,7 +10,8 @@ Why not the SDK's BatchSpanProcessor: when full it drops the oldest spans silent
 (the spans themselves are built in the worker thread), a full queue drops the *new* call and
 counts it, and `flush(timeout)` returns False at its deadline whatever the exporter is doing.
 A batch goes out when `batch_size` calls wait, else at the next `interval` tick, on `flush`, or
-at shutdown; encoded spans go as several requests when a batch's exceed `MAX_REQUEST` bytes.
+at shutdown; encoded spans go as several requests when a batch's exceed `MAX_REQUEST` bytes,
+each with the exporter's whole timeout, and none more once one failed after `give_up_after`.
 
     queue = ExportQueue(exporter, build)    # build(item) -> list[ReadableSpan], in the worker
     queue = ExportQueue(exporter, encode, export=send)   # or any list send() takes (encoded spans)
@@ -75,18 +76,21 @@ class ExportQueue:
     def __init__(self, exporter: SpanExporter, build: Callable[[object], Sequence],
                  capacity: int = CAPACITY, batch_size: int = BATCH_SIZE, interval: float = INTERVAL,
                  max_bytes: int = MAX_BYTES, name: str = "thrift-sidecar-spans",
-                 export: Callable[..., SpanExportResult] | None = None,
-                 max_request: int | None = None) -> None:
+                 export: Callable[[list], SpanExportResult] | None = None,
+                 max_request: int | None = None, give_up_after: float | None = None) -> None:
         self.exporter = exporter
         self.build = build
         # what a batch of built items goes to: the exporter's `export` (ReadableSpans), or e.g.
         # one that wraps already encoded OTLP spans into a request and sends it
         self.export = export if export is not None else exporter.export
         # built items are bytes (encoded spans) and one export takes at most this many of them:
-        # a batch that holds more goes out as several exports, each counted for its own calls;
-        # `export(chunks, since)` is then also given when the batch's first part was sent, so
-        # that all its parts share one export timeout (OTel's: "for each batch export")
+        # a batch that holds more goes out as several exports, each counted for its own calls
         self.max_request = max_request
+        # a part of a batch that failed after this many seconds (the collector did not answer
+        # within the exporter's timeout, or retried that long): the batch's later parts are not
+        # sent, so a collector that does not answer holds the worker one timeout, not one per part
+        self.give_up_after = give_up_after
+        self._gave_up = False  # (this batch's)
         self.capacity = capacity
         self.batch_size = batch_size
         self.interval = interval
@@ -209,7 +213,7 @@ class ExportQueue:
         size = 0
         cap = self.max_request
         held = 0  # (bytes in `spans`, when capped)
-        since = None  # (when the batch's first part was sent, when capped)
+        self._gave_up = False
         for item, nbytes in batch:
             size += nbytes
             try:
@@ -221,35 +225,37 @@ class ExportQueue:
             if cap is not None:
                 more = sum(map(len, made))
                 if spans and held + more > cap:
-                    if since is None:
-                        since = time.monotonic()
-                    self._send(spans, built, since)
+                    self._send(spans, built)
                     spans, built, held = [], 0, 0
                 held += more
             spans.extend(made)
             built += 1
-        if cap is not None and since is None:
-            since = time.monotonic()
-        self._send(spans, built, since)
+        self._send(spans, built)
         self._bytes_out += size
         with self._progress:
             self._handled += n
             self._progress.notify_all()
 
-    def _send(self, spans: list, built: int, since: float | None) -> None:
-        """Export the spans of `built` calls; count them exported or failed. `since`: when
-        capped, when the batch's first part was sent."""
+    def _send(self, spans: list, built: int) -> None:
+        """Export the spans of `built` calls; count them exported or failed."""
         ok = True
-        if spans:
+        if spans and self._gave_up:
+            ok = False
+            self._loss_log.warn(log, "not_sent", "span export: %d calls' spans not sent (an earlier part of their "
+                                "batch failed after %.3g s), %d lost in all", built, self.give_up_after,
+                                self.failed + built)
+        elif spans:
+            t0 = time.monotonic()
             try:
-                result = self.export(spans) if since is None else self.export(spans, since)
-                ok = result is SpanExportResult.SUCCESS
+                ok = self.export(spans) is SpanExportResult.SUCCESS
             except Exception:  # noqa: BLE001
                 ok = False
                 self._warn("span export raised", exc_info=True)
             if not ok:
                 self._loss_log.warn(log, "failed", "span exporter failed: %d calls' spans lost, %d in all",
                                     built, self.failed + built)
+                if self.give_up_after is not None and time.monotonic() - t0 >= self.give_up_after:
+                    self._gave_up = True
         if ok:
             self.exported += built
         else:

@@ -378,11 +378,8 @@ class OtlpExporter(SpanExporter):
         self.rejected_spans = 0   # spans the collector said it rejected (partial_success); export thread
         self.sender = _GrpcSender(self.settings) if self.settings.protocol == "grpc" else _HttpSender(self.settings)
 
-    def export_request(self, data: bytes, since: float | None = None) -> SpanExportResult:
-        """Send one encoded ExportTraceServiceRequest, retrying within the timeout; never raises.
-
-        `since` (monotonic): the timeout runs from then, not from now, for a request that is a
-        later part of one batch (the timeout is each batch export's, as in the OTel SDK)."""
+    def export_request(self, data: bytes) -> SpanExportResult:
+        """Send one encoded ExportTraceServiceRequest, retrying within the timeout; never raises."""
         if self._stop.is_set():
             return SpanExportResult.FAILURE
         clock = time.monotonic
@@ -390,10 +387,7 @@ class OtlpExporter(SpanExporter):
         if quiet > 0:  # (not sent: a collector that said "not before" is not asked again sooner)
             return self._failed(f"the collector asked for no exports for {quiet:.1f} s more "
                                 "(Retry-After or RetryInfo)", 0)
-        deadline = (clock() if since is None else since) + self.settings.timeout
-        if deadline <= clock():
-            return self._failed(f"the batch's export timeout ({self.settings.timeout:g} s) passed "
-                                "before this part of it was sent", 0)
+        deadline = clock() + self.settings.timeout
         try:
             body = self.sender.prepare(data)
             for n in range(MAX_TRIES):

@@ -137,8 +137,12 @@ class Telemetry:
         if getattr(exporter, "export_request", None) is not None:
             # an exporter that sends whole encoded OTLP requests: the spans go straight from the
             # call's timestamps to protobuf bytes (`encode_call`), never through ReadableSpan
+            # (a part of a split batch that failed after half the exporter's timeout or more:
+            # the batch's later parts are not sent, their collector is not answering)
+            timeout = getattr(getattr(exporter, "settings", None), "timeout", None)
             self.queue = ExportQueue(exporter, self._encode_item, export=self._export_encoded,
-                                     **{"max_request": MAX_REQUEST, **queue_options})
+                                     **{"max_request": MAX_REQUEST,
+                                        "give_up_after": timeout / 2 if timeout else None, **queue_options})
         elif exporter is not None:
             self.queue = ExportQueue(exporter, self._build_item, **queue_options)
 
@@ -237,8 +241,8 @@ class Telemetry:
         call, service, listener, reason = item
         return [self.encode_call(call, service, listener, reason)]
 
-    def _export_encoded(self, chunks: list[bytes], since: float):
-        return self.exporter.export_request(self.otlp.request(chunks), since)
+    def _export_encoded(self, chunks: list[bytes]):
+        return self.exporter.export_request(self.otlp.request(chunks))
 
     def build_spans(self, call, service: str, listener: str | None = None,
                     reason: str | None = None) -> list[ReadableSpan]:

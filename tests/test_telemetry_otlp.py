@@ -170,7 +170,7 @@ class GrpcReceiver:
     """A TraceService/Export server taking raw bytes; `fail` codes are answered first, in order."""
 
     def __init__(self, fail=(), response: bytes = b"", delay: float = 0.0):
-        self.delay = delay  # seconds before each answer
+        self.delay = delay  # seconds before each answer (`metadata` counts requests as they come)
         self.requests: list[bytes] = []
         self.metadata: list[dict] = []
         self.fail = list(fail)
@@ -310,27 +310,48 @@ def test_a_batch_larger_than_a_receivers_4_mib_goes_as_several_requests():
         receiver.stop()
 
 
-def test_the_parts_of_one_batch_share_its_export_timeout(caplog):
-    """OTel's exporter timeout is "for each batch export". A batch of three parts to a collector
-    that answers each in 0.6 s, with a 1 s timeout: the first part is accepted, the second runs
-    out of time, the third is not sent. Before: each part had its own second, all three were
-    accepted, and a collector that never answers held the export worker three timeouts long."""
+def _split_batch(receiver, timeout: float):
+    """A Telemetry exporting to `receiver`, and > 7 MiB of spans queued: a batch of three parts."""
+    exporter = OtlpExporter(settings=settings_for("grpc", receiver.port, timeout=timeout), backoff_base=0.01)
+    t = Telemetry(tracing(), clock_offset_ns=OFFSET, rng=random.Random(5), exporter=exporter,
+                  interval=30.0, batch_size=100_000, capacity=100_000)
+    one = len(t.encode_call(fx.call_retry(), "UserService", "users", "head"))
+    n = (7 << 20) // one + 1
+    for _ in range(n):
+        assert t.finished(fx.call_retry(), "UserService", "users") == "head"
+    return t, n
+
+
+def test_a_slow_collector_gets_every_part_of_a_split_batch():
+    """Each part has the exporter's whole timeout: a collector answering each request in 0.6 s,
+    with a 1 s timeout, takes all three parts and every call counts exported."""
     receiver = GrpcReceiver(delay=0.6)
     try:
-        exporter = OtlpExporter(settings=settings_for("grpc", receiver.port, timeout=1.0), backoff_base=0.01)
-        t = Telemetry(tracing(), clock_offset_ns=OFFSET, rng=random.Random(5), exporter=exporter,
-                      interval=30.0, batch_size=100_000, capacity=100_000)
-        one = len(t.encode_call(fx.call_retry(), "UserService", "users", "head"))
-        n = (7 << 20) // one + 1  # (> 7 MiB of spans in one batch: three parts)
-        for _ in range(n):
-            assert t.finished(fx.call_retry(), "UserService", "users") == "head"
-        with caplog.at_level(logging.WARNING, logger="proxy"):
-            t.flush(30.0)
-        part = sum(len(received_spans(body)) for body in receiver.requests) // 13
-        assert len(receiver.requests) == 1 and t.queue.exported == part
-        assert t.queue.exported + t.queue.failed == n and t.queue.failed >= n // 2, (t.queue.exported, n)
-        assert "DEADLINE_EXCEEDED" in caplog.text or "no answer" in caplog.text or "deadline" in caplog.text, caplog.text
-        t.shutdown(5.0)
+        t, n = _split_batch(receiver, 1.0)
+        try:
+            assert t.flush(30.0)
+            assert len(receiver.requests) == 3 and (t.queue.exported, t.queue.failed) == (n, 0)
+        finally:
+            t.shutdown(5.0)
+    finally:
+        receiver.stop()
+
+
+def test_a_collector_that_does_not_answer_holds_the_export_one_timeout_not_one_per_part(caplog):
+    """A collector that answers after 1.5 s, a 0.5 s timeout, a batch of three parts: the first
+    part runs out of time, and the other two are not sent (counted failed, said in a line).
+    Before: each part waited its own timeout, the worker held three times as long."""
+    receiver = GrpcReceiver(delay=1.5)
+    try:
+        t, n = _split_batch(receiver, 0.5)
+        try:
+            with caplog.at_level(logging.WARNING, logger="proxy"):
+                t.flush(30.0)
+            assert len(receiver.metadata) == 1  # (requests as they came, before any answer)
+            assert (t.queue.exported, t.queue.failed) == (0, n)
+            assert "not sent (an earlier part of their batch failed after 0.25 s)" in caplog.text
+        finally:
+            t.shutdown(5.0)
     finally:
         receiver.stop()
 
