@@ -16,7 +16,6 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Iterator
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
@@ -69,51 +68,31 @@ def _app(sources: AdminSources, endpoints: set[str]) -> web.Application:
 
 
 SLICE = 0.002  # seconds of JSON formatting between two turns of the loop
-
-
+CHUNKS_PER_LOOK = 256  # encoder chunks between two looks at the clock
 _ENCODER = json.JSONEncoder(indent=2, default=str)  # (json.dumps's, made once)
-_BIG = 64  # entries of a container worth its own pieces
-
-
-def pretty_json(obj: Any, indent: str = "", depth: int = 0) -> Iterator[str]:
-    """`json.dumps(obj, indent=2, default=str)` in pieces: the top two levels, and any dict or
-    list of more than 64 entries or holding one, go out an entry at a time; the rest (a
-    cluster's snapshot, say) is one piece. Each container split is copied before its entries
-    are formatted (a live dict that grows between two pieces is not an error); joined, the
-    pieces are json.dumps's text, byte for byte."""
-    is_dict = isinstance(obj, dict)
-    if not (is_dict or isinstance(obj, list)) or not obj or (is_dict and not all(isinstance(k, str) for k in obj)) or (
-            depth >= 2 and len(obj) <= _BIG
-            and not any(isinstance(v, (dict, list)) and len(v) > _BIG for v in (obj.values() if is_dict else obj))):
-        text = _ENCODER.encode(obj)
-        yield text.replace("\n", "\n" + indent) if indent else text
-        return
-    inner = indent + "  "
-    items = list(obj.items()) if is_dict else list(obj)
-    yield "{" if is_dict else "["
-    sep = "\n"
-    for item in items:
-        if is_dict:
-            key, value = item
-            yield f"{sep}{inner}{_ENCODER.encode(key)}: "
-        else:
-            value = item
-            yield sep + inner
-        yield from pretty_json(value, inner, depth + 1)
-        sep = ",\n"
-    yield f"\n{indent}{'}' if is_dict else ']'}"
 
 
 async def pretty_json_async(obj: Any) -> str:
-    """`pretty_json` joined, the loop running other work every SLICE seconds of formatting."""
-    out = []
+    """`json.dumps(obj, indent=2, default=str)`, the loop running other work every SLICE
+    seconds of formatting: the encoder's own chunks (`iterencode`, what json.dumps joins when
+    it indents), so the text is the same by construction and the cost hardly more. `obj`
+    should be the caller's own (a snapshot): a dict of the server's that changed size between
+    two slices would stop the encoder, and the text is then made at once instead."""
+    out: list[str] = []
     clock = time.perf_counter
     until = clock() + SLICE
-    for piece in pretty_json(obj):
-        out.append(piece)
-        if clock() > until:
-            await asyncio.sleep(0)
-            until = clock() + SLICE
+    n = 0
+    try:
+        for chunk in _ENCODER.iterencode(obj):
+            out.append(chunk)
+            n += 1
+            if n == CHUNKS_PER_LOOK:
+                n = 0
+                if clock() > until:
+                    await asyncio.sleep(0)
+                    until = clock() + SLICE
+    except RuntimeError:  # ("dictionary changed size during iteration")
+        return _ENCODER.encode(obj)
     return "".join(out)
 
 

@@ -135,7 +135,7 @@ def _hold_standard_fds() -> None:
             try:
                 null = os.open(os.devnull, os.O_RDONLY if fd == 0 else os.O_WRONLY)
             except OSError:  # (no /dev/null here: carry on as before, best effort)
-                return
+                continue
             if null != fd:  # (lower fds are open, so it is fd; this is belt and braces)
                 os.dup2(null, fd)
                 os.close(null)

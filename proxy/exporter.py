@@ -90,7 +90,7 @@ class ExportQueue:
         # within the exporter's timeout, or retried that long): the batch's later parts are not
         # sent, so a collector that does not answer holds the worker one timeout, not one per part
         self.give_up_after = give_up_after
-        self._gave_up = False  # (this batch's)
+        self._gave_up: float | None = None  # (this batch's: how long its failed part took)
         self.capacity = capacity
         self.batch_size = batch_size
         self.interval = interval
@@ -213,7 +213,7 @@ class ExportQueue:
         size = 0
         cap = self.max_request
         held = 0  # (bytes in `spans`, when capped)
-        self._gave_up = False
+        self._gave_up = None
         for item, nbytes in batch:
             size += nbytes
             try:
@@ -239,10 +239,10 @@ class ExportQueue:
     def _send(self, spans: list, built: int) -> None:
         """Export the spans of `built` calls; count them exported or failed."""
         ok = True
-        if spans and self._gave_up:
+        if spans and self._gave_up is not None:
             ok = False
             self._loss_log.warn(log, "not_sent", "span export: %d calls' spans not sent (an earlier part of their "
-                                "batch failed after %.3g s), %d lost in all", built, self.give_up_after,
+                                "batch failed after %.2f s), %d lost in all", built, self._gave_up,
                                 self.failed + built)
         elif spans:
             t0 = time.monotonic()
@@ -254,8 +254,9 @@ class ExportQueue:
             if not ok:
                 self._loss_log.warn(log, "failed", "span exporter failed: %d calls' spans lost, %d in all",
                                     built, self.failed + built)
-                if self.give_up_after is not None and time.monotonic() - t0 >= self.give_up_after:
-                    self._gave_up = True
+                took = time.monotonic() - t0
+                if self.give_up_after is not None and took >= self.give_up_after:
+                    self._gave_up = took
         if ok:
             self.exported += built
         else:

@@ -1136,7 +1136,7 @@ class ClientConnection(asyncio.Protocol):
             self._last_active = now
         quiet = (now - self._last_active) / 1e9
         if not self.decoder.buffered and quiet >= idle:
-            if unread_bytes(self.fd):
+            if not self.paused_reading and unread_bytes(self.fd):
                 # a request the loop has not read yet (busy as this timer came due: libuv runs
                 # timers before it polls); closed now, it would be reset. Read first, look again.
                 self._idle_timer = self.state.loop.call_later(0.01, self._idle_check)

@@ -884,7 +884,9 @@ class Server:
                         SPAN_FLUSH_TIMEOUT, left)
 
     def snapshot(self) -> dict[str, Any]:
-        """/stats: listeners, clusters (endpoints, breakers, pools, budgets, limits), health, exporter."""
+        """/stats: listeners, clusters (endpoints, breakers, pools, budgets, limits), health, exporter.
+        All of it new objects (copies, not the server's own dicts): the admin formats it over
+        several turns of the loop."""
         clusters = {}
         for name, c in self._shown.items():
             snap = c.snapshot()
@@ -898,7 +900,7 @@ class Server:
                     ep_snap["breaker_detail"] = ep.breaker.snapshot()
             clusters[name] = snap
         out = {
-            "ready": self.ready and not self.draining, "draining": self.draining, "reloads": self.reloads,
+            "ready": self.ready and not self.draining, "draining": self.draining, "reloads": dict(self.reloads),
             "listeners": {name: {**s.stats, **s.pipeline.stats, "connections": len(s.connections),
                                  "in_flight": sum(len(conn.queue) for conn in s.connections)}
                           for name, s in self.listeners.items()},
@@ -910,7 +912,7 @@ class Server:
             # clusters a reload replaced that calls in flight (or retired listeners) still use
             "retiring_clusters": [{"name": c.name, "calls_in_flight": c.limits.requests if c.limits else None}
                                   for c in self._retiring],
-            "health_checks": {name: h.stats for name, h in self.health.items()},
+            "health_checks": {name: dict(h.stats) for name, h in self.health.items()},
             "loop_lag_max_ms": round(self.lag.max_lag_ns / 1e6, 3),
             # Python's small-object blocks in use: what a leak of Python objects grows, without
             # the allocator's RSS swings (tools/soak.py watches it)

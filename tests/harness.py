@@ -71,8 +71,9 @@ def reset_peak(pid: int) -> int:
 
 
 def turns_while(make_awaitable) -> tuple:
-    """Run `make_awaitable()` on a fresh asyncio loop beside a task that counts the loop's turns:
-    (its result, how many times other work ran meanwhile)."""
+    """Run `make_awaitable()` on a fresh asyncio loop beside a task that counts its own turns:
+    (the result, the count). The counter runs once before the awaitable starts, so 1 means it
+    never let other work run."""
     import asyncio
 
     async def main():
