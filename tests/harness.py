@@ -74,7 +74,6 @@ def turns_while(make_awaitable) -> tuple:
     """Run `make_awaitable()` on a fresh asyncio loop beside a task that counts its own turns:
     (the result, the count). The counter runs once before the awaitable starts, so 1 means it
     never let other work run."""
-    import asyncio
 
     async def main():
         ticks = 0

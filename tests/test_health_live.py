@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from harness import Proxy, RawUpstream, ThriftServer, free_port, wait_for
+from harness import Proxy, RawUpstream, ThriftServer, config_text, free_port, wait_for
 from proxy.codec import Framing, Protocol
 from proxy.endpoint import Endpoint
 from proxy.health import check_once
@@ -47,22 +47,10 @@ class Replies(RawUpstream):
             c.close()
 
 
-def cfg(addresses, method="ping") -> str:
-    return f"""
-listeners:
-  - name: test
-    service: TestService
-    listen: 127.0.0.1:0
-    routes:
-      - cluster: up
-clusters:
-  - name: up
-    endpoints: [{", ".join(addresses)}]
-    load_balancer: round_robin
-    transport: framed
-    protocol: binary
-    health_check: {{interval: 200ms, timeout: 200ms, method: {method}}}
-"""
+def cfg(addresses, method="ping", protocol="binary") -> str:
+    return config_text(addresses, protocol=protocol, cluster_transport="framed",
+                       extra_cluster=f"\n    protocol: {protocol}\n    health_check: "
+                                     f"{{interval: 200ms, timeout: 200ms, method: {method}}}")
 
 
 def check(port: int, method: str = "ping") -> str | None:
@@ -453,8 +441,7 @@ def test_check_seqids_wrap_within_an_i32(protocol):
     check could not be encoded (binary) or came back negative (compact), and every check of
     every endpoint failed from then on (~6 h for 1,000 endpoints checked every 10 ms)."""
     up = ThriftServer(protocol=protocol)
-    text = cfg([up.address]).replace("protocol: binary", f"protocol: {protocol}").replace(
-        "listen: 127.0.0.1:0", f"listen: 127.0.0.1:0\n    protocol: {protocol}")
+    text = cfg([up.address], protocol=protocol)
     try:
         with Proxy(text) as p:
             checker = p.server.health["up"]
