@@ -138,7 +138,7 @@ def main() -> int:
     requests = [frame(1, b"ping", i) for i in range(256)]
     replies = [frame(2, b"ping", i) for i in range(256)]
 
-    def run(n: int) -> float:
+    async def calls(n: int) -> float:
         client_in = conn.data_received
         up_in = up.data_received
         t0 = time.perf_counter()
@@ -146,7 +146,12 @@ def main() -> int:
             j = i & 255
             client_in(requests[j])
             up_in(replies[j])
+            if j == 255:  # the loop turns, as between a socket's reads: closed timer handles are freed
+                await asyncio.sleep(0)
         return time.perf_counter() - t0
+
+    def run(n: int) -> float:
+        return loop.run_until_complete(calls(n))
 
     def split(n: int) -> list[float]:
         """Median ns per call: request leg before/after its upstream write, reply leg before/after

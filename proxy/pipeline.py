@@ -3,8 +3,9 @@
     listener (framed a request) ─► Pipeline.handle
       1. route       first matching route; none → UNKNOWN_METHOD "no route"
       2. oneway?     ONEWAY, or a method in oneway_methods: nothing is ever written back
-      3. admit       cluster limits (max_requests) and the route deadline (a loop.call_at handle,
-                     capped by the client's THeader `client_timeout`); deposit in the retry budget
+      3. admit       cluster limits (max_requests) and the route deadline (in its timeout's
+                     DeadlineQueue, or a loop.call_at handle when the client's THeader
+                     `client_timeout` caps it); deposit in the retry budget
       4. attempt     balancer picks an endpoint (open breakers skipped, another one on a retry),
                      the pool lends a connection (or we wait: max_pending, acquire_timeout),
                      per-try deadline armed
@@ -43,6 +44,7 @@ from proxy.codec.theader import HeaderBlockTooLarge
 from proxy.codec import (AppErrorType, Message, MessageType, Protocol, ProtocolError, exception_reply,
                          reframe)
 from proxy.codec.wire import F_FRAMED_HEADER, F_HEADER, M_CALL, M_EXCEPTION, M_ONEWAY
+from proxy.deadlines import DeadlineQueue
 from proxy.logs import MAX_NAME, Throttle, cut
 from proxy.retry import RetryPolicy
 from proxy.tracecontext import TRACE_HEADERS
@@ -98,6 +100,10 @@ class Pipeline:
         self.on_begin = None      # telemetry: trace context for THeader traffic
         self.warnings = Throttle(WARN_EVERY)  # per-call warnings (a failed oneway), thinned per kind
         self._policies: dict[int, RetryPolicy | None] = {}
+        # route and per-try deadlines, one queue per timeout value (proxy.deadlines: no loop
+        # timer per call), and the words for each ("route timeout 250ms")
+        self._deadlines: dict[float, DeadlineQueue] = {}
+        self._route_what: dict[float, str] = {}
         self.exception_ids = exception_ids
         # no request this small streams (the smallest retry_buffer): the listener's cheap first test
         self.upload_min = min((r.settings.retry_buffer if r.settings is not None else DEFAULT_RETRY_BUFFER
@@ -154,23 +160,36 @@ class Pipeline:
         if budget is not None:
             budget.deposit()
         timeout = route.settings.timeout if route.settings is not None else 0.0
-        what = "route timeout"
-        client_ms = msg.headers.get(CLIENT_TIMEOUT_HEADER) if msg.header is not None else None
-        if client_ms:
-            cap = _client_timeout(client_ms)
-            if cap > 0 and (timeout <= 0 or cap < timeout):
-                timeout = cap
-                what = "the client's THeader client_timeout"
+        capped = False
+        if msg.header is not None:
+            client_ms = msg.headers.get(CLIENT_TIMEOUT_HEADER)
+            if client_ms:
+                cap = _client_timeout(client_ms)
+                if cap > 0 and (timeout <= 0 or cap < timeout):
+                    timeout = cap
+                    capped = True
         if timeout > 0 and not call.oneway:
-            what = f"{what} {_ms(timeout)}"
+            if capped:
+                call.deadline_what = f"the client's THeader client_timeout {_ms(timeout)}"
+            else:
+                what = self._route_what.get(timeout)
+                if what is None:
+                    what = self._route_what[timeout] = f"route timeout {_ms(timeout)}"
+                call.deadline_what = what
             if upload is not None:
                 upload.timeout = timeout  # counts from the request's last byte (_upload_received)
-                call.deadline_what = what
             else:
                 call.deadline = self.loop.time() + timeout - (monotonic_ns() - t_framed) / 1e9
-                call.deadline_what = what
-                call.timer = self.loop.call_at(call.deadline, self._call_timeout, call)
+                # (a client's own timeout, any value, gets a loop timer: one queue per route timeout)
+                call.timer = (self.loop.call_at(call.deadline, self._call_timeout, call) if capped
+                              else self._deadline_queue(timeout).set(call.deadline, self._call_timeout, call))
         self.start_attempt(call)
+
+    def _deadline_queue(self, timeout: float) -> DeadlineQueue:
+        q = self._deadlines.get(timeout)
+        if q is None:
+            q = self._deadlines[timeout] = DeadlineQueue(self.loop)
+        return q
 
     # 1b: a large request streams in --------------------------------------------------
 
@@ -315,7 +334,7 @@ class Pipeline:
         if not deadline or at <= deadline:
             # (time the client held earlier attempts' replies back is not this attempt's credit)
             credited = call.conn.paused_ns(call)
-            attempt.timer = self.loop.call_at(at, self._attempt_timeout, attempt, per_try, credited)
+            attempt.timer = self._deadline_queue(per_try).set(at, self._attempt_timeout, attempt, per_try, credited)
 
     # 5: write -------------------------------------------------------------------
 
