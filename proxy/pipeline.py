@@ -559,6 +559,13 @@ class Pipeline:
         if outcome != calls.SUCCESS and self._would_retry(call, attempt, outcome, head.result_field):
             return False  # read it whole, so that it can be retried
         call.streamed = True
+        if attempt.timer is not None:
+            # No retry can follow once reply bytes reach the client: from here the route timeout
+            # alone bounds the call (as Envoy ignores a per-try timeout once it sent anything
+            # downstream). Before, a healthy upstream's large reply that took longer than
+            # per_try_timeout to arrive was cut, and the client's connection with it.
+            attempt.timer.cancel()
+            attempt.timer = None
         call.outcome = outcome
         call.result_field = head.result_field
         call.reply_size = head.total or 0  # unframed: no length up front (stream_sized at its end)
@@ -754,12 +761,6 @@ class Pipeline:
             due = timer.when() if timer is not None else self.loop.time()
             attempt.timer = self.loop.call_at(due + (paused - credited) / 1e9,
                                               self._attempt_timeout, attempt, per_try, paused)
-            return
-        if call.streamed:
-            if attempt.upconn is not None:
-                attempt.upconn.abandon()
-            self.stats["timeouts"] += 1
-            self._stream_failed(attempt, f"per-try timeout {_ms(per_try)}", outcome=calls.TIMEOUT)
             return
         self.stats["timeouts"] += 1
         self.attempt_failed(attempt, self._stop_attempt(attempt, f"per-try timeout {_ms(per_try)}"))

@@ -1051,7 +1051,12 @@ def test_a_slow_reader_is_not_cut_for_a_request_the_proxy_stopped_reading():
 
 
 class StallingUpstream(RawUpstream):
-    """Sends the first 200 KB of a 1 MB reply, then nothing more (the connection stays open)."""
+    """Sends the first 200 KB of a 1 MB reply, then the rest after `gap` seconds (None: never;
+    the connection stays open)."""
+
+    def __init__(self, gap: float | None = None) -> None:
+        super().__init__()
+        self.gap = gap
 
     def _one(self, c: socket.socket) -> None:
         for name, seqid in self.requests(c):
@@ -1059,10 +1064,24 @@ class StallingUpstream(RawUpstream):
             size = 1_000_000
             field = b"\x0b" + struct.pack("!h", 0) + struct.pack("!i", size)
             c.sendall(struct.pack("!i", len(head) + len(field) + size + 1) + head + field + b"s" * 200_000)
+            if self.gap is not None:
+                time.sleep(self.gap)
+                c.sendall(b"s" * (size - 200_000) + b"\x00")
 
 
-@pytest.mark.parametrize("config", [_timeout_config, _per_try_config], ids=["timeout", "per_try_timeout"])
+def _per_try_within_timeout_config(upstream: str, timeout: str) -> str:
+    """The route `timeout`, and a per-try timeout of half of it (which must not cut a stream)."""
+    half = f"{int(timeout.removesuffix('ms')) // 2}ms"
+    return _big_config(upstream).replace("      - cluster: up", f"      - cluster: up\n        timeout: {timeout}\n"
+                                         f"        retry: {{per_try_timeout: {half}}}")
+
+
+@pytest.mark.parametrize("config", [_timeout_config, _per_try_within_timeout_config],
+                         ids=["timeout", "timeout_and_per_try_timeout"])
 def test_upstream_stalling_mid_stream_still_times_out(config):
+    """A reply that stops mid-stream is cut by the route timeout, as a reply read whole would
+    be timed out. A per-try timeout no longer counts once reply bytes went to the client (no
+    retry could follow): with half the route timeout, the stream still ends at the route's."""
     up = StallingUpstream()
     try:
         with Proxy(config(f"127.0.0.1:{up.port}", "400ms")) as p:
@@ -1087,6 +1106,36 @@ def test_upstream_stalling_mid_stream_still_times_out(config):
             wait_for(lambda: done, what="the call recorded")
             (call,) = done
             assert call.outcome == call.error_type == call.attempts[0].outcome == "timeout", call.error
+    finally:
+        up.close()
+
+
+def test_a_streaming_reply_slower_than_the_per_try_timeout_is_not_cut():
+    """per_try_timeout 200ms (retries on, the method idempotent), route timeout 3s, and an
+    upstream whose 1 MB reply streams over ~0.6 s: the first bytes went to the client at once,
+    so no retry could follow, and only the route timeout bounds the rest (Envoy ignores a
+    per-try timeout once it sent anything downstream). Before: cut at 200 ms, the client's
+    connection closed mid-reply and its call counted as a timeout against the endpoint."""
+    up = StallingUpstream(gap=0.6)
+    try:
+        text = _big_config(up.address).replace(
+            "      - cluster: up", "      - cluster: up\n        timeout: 3s\n"
+            "        retry: {attempts: 2, idempotent: true, per_try_timeout: 200ms}")
+        with Proxy(text) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                t0 = time.monotonic()
+                s.sendall(request_bytes("framed", "binary", "echo", b"", seqid=4))
+                (r,) = read_messages(s, 1, timeout=10)
+                took = time.monotonic() - t0
+            assert (r.seqid, r.type, len(r.data)) == (4, MessageType.REPLY, 4 + 16 + 7 + 1_000_000 + 1)  # (frame length, head, field, string, STOP)
+            assert took >= 0.5, f"the reply came in {took:.2f}s: the upstream's gap did not hold it"
+            wait_for(lambda: done, what="the call recorded")
+            (call,) = done
+            assert call.streamed and call.outcome == "success" and len(call.attempts) == 1, call.error
+            assert p.server.listeners["test"].pipeline.stats["timeouts"] == 0
+            assert up.calls == 1
     finally:
         up.close()
 
