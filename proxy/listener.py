@@ -490,7 +490,10 @@ class ClientConnection(asyncio.Protocol):
         try:
             self.decoder.eof()
         except ProtocolError as e:
-            log.info("client %s closed inside a request: %s", self.peer, e.message)
+            # A request the client's FIN cut short: answered (it may still read) and counted as
+            # any malformed request is, with its seqid when its head is here, as a large one
+            # that streamed is (_upload_broken). Before: closed unanswered and uncounted.
+            self._protocol_error(e)
         # Half-closed: answer what is open, then close.
         if not self.queue:
             return False
