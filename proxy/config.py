@@ -417,10 +417,8 @@ def _header_match(value: object) -> object:
 
 def _regex(value: str | None) -> str | None:
     if value is not None:
-        try:
-            re.compile(value)
-        except re.error as e:
-            raise ValueError(f"invalid regex: {e}") from None
+        from proxy.router import compile_regex
+        compile_regex(value)  # (ValueError: said at the key, with its line)
     return value
 
 

@@ -55,7 +55,7 @@ from proxy.discovery import Resolver, make_source, static_endpoints
 from proxy.listener import ListenerSettings, ListenerState, WaitingBudget
 from proxy.pipeline import Pipeline
 from proxy.pool import PoolSettings
-from proxy.router import HeaderMatch, Route, Router, method_matcher
+from proxy.router import HeaderMatch, Route, Router, compile_regex, method_matcher
 from proxy.sockets import raise_nofile_limit
 from proxy.tls import TlsError, client_context
 
@@ -215,8 +215,7 @@ def build_route(r: cfgmod.Route, index: int, clusters: dict[str, Cluster], rng: 
         route.service = m.service
         route.invert = m.invert
         if m.header:
-            import re
-            route.headers = [HeaderMatch(name, h.exact, re.compile(h.regex) if h.regex else None, h.present)
+            route.headers = [HeaderMatch(name, h.exact, compile_regex(h.regex) if h.regex else None, h.present)
                              for name, h in m.header.items()]
     return route
 

@@ -374,6 +374,28 @@ def test_rule_errors(old, new, errors):
     assert info.value.errors == [f"x.yaml:{e}" for e in errors]
 
 
+@pytest.mark.parametrize("regex, why", [("(?=x)y", "invalid perl operator: (?="),
+                                        ("(a)\\1", "invalid escape sequence: \\1"),
+                                        ("(acme", "missing ): (acme"), ("a{1001}", "invalid repetition size: {1001}")])
+def test_a_regex_re2_cannot_take_is_said_at_its_key(regex, why):
+    """Header regexes are RE2 (linear time, as Envoy's safe_regex): lookaround and
+    backreferences are refused, as is a repeat count over 1000, with RE2's words at the key."""
+    text = MINIMAL.replace(ROUTE, "[{cluster: users, match: {header: {a: {regex: '%s'}}}}]" % regex)
+    with pytest.raises(ConfigError) as info:
+        loads(text, "x.yaml")
+    assert info.value.errors == [f"x.yaml:3: listeners[0].routes[0].match.header.a.regex: "
+                                 f"invalid regex (RE2 syntax, as Envoy's safe_regex): {why}"]
+
+
+@pytest.mark.parametrize("regex", ["a{4294967296}", "(" * 1500 + "a" + ")" * 1500])
+def test_a_regex_python_s_re_threw_on_loads(regex):
+    """Python's re threw OverflowError and RecursionError on these (a traceback, exit 1); RE2
+    compiles them."""
+    text = MINIMAL.replace(ROUTE, "[{cluster: users, match: {header: {a: {regex: '%s'}}}}]" % regex)
+    (route,) = loads(text, "x.yaml").listeners[0].routes
+    assert route.match.header["a"].regex == regex
+
+
 def _protocols(listener: str, cluster: str, routes: str = "[{cluster: users}]") -> str:
     return f"""\
 listeners:

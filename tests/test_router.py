@@ -11,6 +11,7 @@ args untouched, and a plain (non-multiplexed) Apache Thrift processor answers it
 from __future__ import annotations
 
 import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -117,6 +118,21 @@ def test_header_exact_regex_present():
     assert where(r, "lookup", {"x-debug": "1"}) == "a"            # route 7 also needs method ping
     # earlier routes win over header routes
     assert where(r, "get_user", {"x-canary": "1"}) == "a"
+
+
+def test_a_header_regex_runs_in_linear_time():
+    """`(a+)+` against 28 a's and a '!': Python's backtracking re takes ~13 s (each extra 'a'
+    doubles it), holding the event loop and every other client; RE2 answers at once."""
+    r = router_from("""
+      - {match: {header: {x-tenant: {regex: "(a+)+"}}}, cluster: b}
+      - cluster: a
+    """)
+    t0 = time.monotonic()
+    assert where(r, "lookup", {"x-tenant": "a" * 28 + "!"}) == "a"
+    assert where(r, "lookup", {"x-tenant": "a" * 100_000 + "!"}) == "a"
+    took = time.monotonic() - t0
+    assert where(r, "lookup", {"x-tenant": "aaa"}) == "b"
+    assert took < 1.0, f"{took:.1f} s to match two header values"
 
 
 def test_header_absent_and_header_names_exact():
