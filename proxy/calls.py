@@ -44,7 +44,7 @@ class Call:
                  "t_start", "t_framed", "t_admitted", "t_done", "t_write", "t_handed", "t_acked", "never_read",
                  "streamed", "client_paused_ns", "upstream_wait_ns", "reply_size", "loop_lag_ns",
                  "trace", "timer", "deadline", "deadline_what", "credited_ns", "retry_timer", "holds_request", "result_field", "waited",
-                 "_req_framing", "_req_data", "upload", "no_retry")
+                 "_req_framing", "_req_data", "upload", "no_retry", "req_held", "kept_size")
 
     def __init__(self, conn, msg, t_start: int, t_framed: int, pipeline=None) -> None:
         self.conn = conn                    # the client connection (listener)
@@ -90,12 +90,26 @@ class Call:
         self._req_framing = None            # the upstream framing _req_data is for
         self._req_data = None               # the request bytes as that framing wants them
         self.upload: Upload | None = None   # a large request streaming in (msg is its head only)
+        self.req_held = 0                   # its request's bytes counted in its connection's open_bytes
+        self.kept_size = -1                 # the request's size once its bytes were let go (drop_request)
 
     @property
     def request_size(self) -> int:
         if self.upload is not None:
             return self.upload.size
+        if self.kept_size >= 0:
+            return self.kept_size
         return len(self.msg.data) if self.msg is not None else 0
+
+    def drop_request(self) -> None:
+        """Its answer is final and waits behind an earlier call: no attempt can follow, so the
+        request's bytes go now (its size, its head and THeader headers stay)."""
+        msg = self.msg
+        if msg is None or self.kept_size >= 0 or self.upload is not None:
+            return
+        self.kept_size = len(msg.data)
+        msg.data = msg.readable = b""
+        self._req_data = None
 
     @property
     def held_ns(self) -> int:

@@ -2,9 +2,10 @@
 
 One `ClientConnection` (an asyncio.Protocol) per accepted socket. Requests
 may be pipelined; replies go back in request order. Bounded in-flight per
-connection: reading pauses while `max_inflight` calls are open or while the
-client is not reading its replies (the transport asked us to pause writing).
-Requests past `max_inflight` wait, unframed, in the decoder. A client that
+connection: reading pauses while `max_inflight` calls are open, or while the open calls'
+requests hold `max_inflight_bytes` (`open_bytes`: a request is held for its retries until its
+call is answered), or while the client is not reading its replies (the transport asked us to
+pause writing). Requests past those wait, unframed, in the decoder. A client that
 reads no reply byte for `request_read_timeout` while its replies back up is
 closed (a write stall): what the proxy holds for it is bounded, then freed.
 
@@ -71,6 +72,9 @@ class ListenerSettings:
     request_read_timeout: float = 30.0
     idle_timeout: float = 0.0
     max_inflight: int = 128        # open calls per client connection before reading pauses
+    # ... or their requests' bytes (held for retries until each is answered: a call answered
+    # while an earlier one is open lets its request go at once); one call always may be open
+    max_inflight_bytes: int = 16 * 1024 * 1024
     # request_read_timeout also bounds a write stall: replies backed up (writing paused) and
     # not one byte read by the client for that long closes the connection.
 
@@ -99,7 +103,7 @@ class ClientConnection(asyncio.Protocol):
                  "_last_active", "_linger", "fd", "bytes_out", "_unacked", "_ack_poll", "_ack_delay",
                  "stream_call", "stream_up", "_waiting", "_waiting_bytes", "_paused_at", "_framing", "_eof", "_stall_timer",
                  "_stall_mark", "_stall_seen", "upload", "_upload_at", "_upload_by", "_upload_held", "_closed_why",
-                 "_held_since")
+                 "_held_since", "open_bytes")
 
     def __init__(self, state: ListenerState) -> None:
         self.state = state
@@ -139,6 +143,7 @@ class ClientConnection(asyncio.Protocol):
         self._upload_by = None                 # the pipeline (config) that decided _upload_at
         self._upload_held = False              # reading paused for the upload (calls.Upload.paused)
         self._held_since = 0                   # requests held back at max_inflight arrived by then
+        self.open_bytes = 0                    # request bytes held for open calls (Call.req_held's sum)
 
     # -- asyncio.Protocol -----------------------------------------------------
 
@@ -174,7 +179,7 @@ class ClientConnection(asyncio.Protocol):
             if not data:
                 return  # (what follows the streamed request, if anything, begins the next one)
         dec = self.decoder
-        if len(self.queue) < self.settings.max_inflight:
+        if len(self.queue) < self.settings.max_inflight and self.open_bytes < self.settings.max_inflight_bytes:
             msg = dec.take(data)  # the common case: this read is one whole request
             if msg is not None:
                 self.t_first = now
@@ -183,7 +188,8 @@ class ClientConnection(asyncio.Protocol):
                 else:
                     self._bad_type(msg)
                 if (not self.closing and (self._read_timer is not None or self._eof
-                                          or len(self.queue) >= self.settings.max_inflight)):
+                                          or len(self.queue) >= self.settings.max_inflight
+                                          or self.open_bytes >= self.settings.max_inflight_bytes)):
                     self._after_framing(dec)
                 return
         if not dec.buffered:
@@ -192,8 +198,9 @@ class ClientConnection(asyncio.Protocol):
         self._frame_requests(now)
 
     def _frame_requests(self, now: int) -> None:
-        """Hand whole requests to the pipeline while fewer than `max_inflight` calls are open;
-        the rest waits in the decoder, reading paused, until replies go out (_maybe_resume)."""
+        """Hand whole requests to the pipeline while fewer than `max_inflight` calls are open
+        (and their requests hold less than `max_inflight_bytes`); the rest waits in the
+        decoder, reading paused, until replies go out (_maybe_resume)."""
         dec = self.decoder
         pipeline = self.state.pipeline  # the current config's (a reload swaps it)
         limit = self.settings.max_inflight
@@ -205,11 +212,10 @@ class ClientConnection(asyncio.Protocol):
         self._after_framing(dec)
 
     def _after_framing(self, dec: Decoder) -> None:
-        """Pause reading at max_inflight; arm or cancel the read deadline; a waiting EOF."""
+        """Pause reading at max_inflight (calls or bytes); arm or cancel the read deadline; a waiting EOF."""
         if self.closing:
             return
-        limit = self.settings.max_inflight
-        if len(self.queue) >= limit and self.upload is None:  # (an upload's bytes are its counted call's)
+        if self._full() and self.upload is None:  # (an upload's bytes are its counted call's)
             self._disarm_read()  # bytes we hold back are not the client's delay
             if dec.buffered and not self._held_since:
                 self._held_since = self.t_first  # (when the bytes held back arrived)
@@ -228,8 +234,16 @@ class ClientConnection(asyncio.Protocol):
             if not self._half_closed():
                 self.transport.close()
 
+    def _full(self) -> bool:
+        """As many calls open as one connection may have: `max_inflight`, or requests holding
+        `max_inflight_bytes` (one call always may be open, however large its request)."""
+        q = self.queue
+        return len(q) >= self.settings.max_inflight or (self.open_bytes >= self.settings.max_inflight_bytes
+                                                         and bool(q))
+
     def _frame_loop(self, dec, pipeline, limit: int, now: int) -> None:
-        while len(self.queue) < limit:
+        budget = self.settings.max_inflight_bytes
+        while len(self.queue) < limit and (self.open_bytes < budget or not self.queue):
             try:
                 msg = dec.next_message()
             except ProtocolError as e:
@@ -517,6 +531,7 @@ class ClientConnection(asyncio.Protocol):
             if call.pipeline is not None:
                 call.pipeline.cancel(call, self._closed_why)
         self.queue.clear()
+        self.open_bytes = 0
         up = self.stream_up
         if up is not None:  # gone mid-stream: its upstream connection (maybe paused) goes too
             call = self.stream_call
@@ -682,6 +697,9 @@ class ClientConnection(asyncio.Protocol):
     def stream_begin(self, call: Call, upconn) -> None:
         self.stream_call = call
         self.stream_up = upconn
+        if call.req_held:  # (answered: no attempt can follow)
+            self.open_bytes -= call.req_held
+            call.req_held = 0
         call.t_write = monotonic_ns()
         if self.paused_writing:
             upconn.pause_reading()
@@ -799,13 +817,24 @@ class ClientConnection(asyncio.Protocol):
         if not q or q[0] is not call:
             if call.cancelled or self.transport is None:
                 return
-            call.waited = True
-            return  # an earlier call is still open: this reply waits its turn (the `queued` hop)
+            call.waited = True  # an earlier call is still open: this reply waits its turn (the `queued` hop)
+            if call.req_held:
+                # its answer is final: no attempt can follow, and its request's bytes go now, not
+                # when the slow call ahead of it is answered (they would count in open_bytes)
+                self.open_bytes -= call.req_held
+                call.req_held = 0
+                call.drop_request()
+                if self.paused_reading:
+                    self._maybe_resume()
+            return
         t = self.transport
         write = t.write
         unacked = self._unacked
         while q and q[0].reply is not None:
             c = q.popleft()
+            if c.req_held:
+                self.open_bytes -= c.req_held
+                c.req_held = 0
             if self._waiting:
                 self.unwait(c)
             c.t_write = monotonic_ns()
@@ -842,7 +871,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _maybe_resume(self) -> None:
         if (self.paused_reading and not self.paused_writing and not self.closing and not self._upload_held
-                and len(self.queue) < self.settings.max_inflight
+                and not self._full()
                 and (self.upload is None or self.upload.splice is None)):
             self.paused_reading = False
             self.transport.resume_reading()

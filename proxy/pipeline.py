@@ -131,6 +131,8 @@ class Pipeline:
             bool(self.oneway_methods) and (msg.name in self.oneway_methods or msg.method in self.oneway_methods))
         if not call.oneway:
             conn.queue.append(call)  # its place in the reply order
+            call.req_held = n = len(msg.data)  # held for retries until answered (max_inflight_bytes)
+            conn.open_bytes += n
         route = self.router.route(msg)
         if route is None:
             self.stats["no_route"] += 1

@@ -598,6 +598,72 @@ def test_slow_but_steady_reader_is_not_closed(guard):
     assert guard.listener()["write_stalls"] == before
 
 
+# -- pipelined calls' request bytes -------------------------------------------------------------
+
+
+def _pipeline_behind_a_slow_call(port: int, n: int, size: int, out: list) -> None:
+    """One connection: sleep(2000), then `n` count() calls with a `size`-byte key, all in one
+    write; every reply read, in order."""
+    reqs = [request_bytes("framed", "binary", "sleep", 2000, seqid=1)]
+    reqs += [request_bytes("framed", "binary", "count", "k" * size, seqid=2 + i) for i in range(n)]
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"".join(reqs))
+        out.append(read_messages(s, n + 1, "framed", "binary", timeout=30))
+
+
+def test_pipelined_calls_answered_behind_a_slow_one_let_their_requests_go(guard):
+    """Two clients each pipeline 50 calls with a 900 KB request behind a 2 s call. Their
+    replies are ready at once but wait their turn; the requests (held for retries) are let go as
+    each is answered, so the proxy grows by much less than their 90 MB (the guard: < 50 MiB;
+    ~28 here, what max_inflight_bytes lets each connection hold while the upstream takes them),
+    and every reply comes in order. Before: each request stayed until the slow call ahead of it
+    was answered (the proxy grew by ~85 MiB; with no route timeout, for as long as it took)."""
+    out: list = []
+    clients = [threading.Thread(target=_pipeline_behind_a_slow_call, args=(guard.framed, 50, 900_000, out))
+               for _ in range(2)]
+    for t in clients:
+        t.start()
+    for t in clients:
+        t.join(60)
+    assert len(out) == 2
+    for replies in out:
+        assert [r.seqid for r in replies] == list(range(1, 52))
+        assert all(r.type == MessageType.REPLY for r in replies), [r for r in replies if r.type != MessageType.REPLY]
+
+
+def test_requests_of_unanswered_calls_hold_at_most_max_inflight_bytes():
+    """An upstream that never answers, and a client that pipelines 60 calls with a 900 KB
+    request each (54 MB): the proxy reads on only while its open calls' requests hold under
+    max_inflight_bytes (16 MiB; one call always may be open), the rest waiting in the client's
+    socket. Before: all 60 read and held (only max_inflight, 128 calls, bounded a connection:
+    128 x retry_buffer = 128 MiB)."""
+    from harness import Proxy, RawUpstream, config_text
+
+    class Silent(RawUpstream):
+        def _one(self, c: socket.socket) -> None:
+            for _ in self.requests(c):
+                pass
+
+    up = Silent()
+    try:
+        with Proxy(config_text([up.address])) as p:
+            state = p.server.listeners["test"]
+            reqs = b"".join(request_bytes("framed", "binary", "lookup", "k" * 900_000, seqid=i) for i in range(60))
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                sender = threading.Thread(target=_send_quietly, args=(s, reqs), daemon=True)
+                sender.start()
+                deadline = time.monotonic() + 10
+                while up.calls < 18 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                time.sleep(0.5)  # (more would come by now, were it reading on)
+                calls = state.pipeline.stats["calls"]
+                held = p.call(lambda: [c.open_bytes for c in state.connections])
+                assert 18 <= calls <= 19, calls  # 16 MiB / 900,030 bytes: the 19th goes over
+                assert held and max(held) <= 16 * 1024 * 1024 + 900_030, held
+    finally:
+        up.close()
+
+
 # == exposure ======================================================================================
 
 
