@@ -327,6 +327,12 @@ class Tracing(_Model):
     def _jsonl_needs_path(self) -> Tracing:
         if self.exporter == "jsonl" and self.path is None:
             raise _At("path", "required when exporter is jsonl")
+        # settings another exporter would use, never read by this one: said, not ignored
+        for key, exporter in (("path", "jsonl"), ("max_file_size", "jsonl"), ("endpoint", "otlp"),
+                              ("otlp_protocol", "otlp")):
+            if (key in self.model_fields_set and self.exporter != exporter
+                    and getattr(self, key) != type(self).model_fields[key].default):
+                raise _At(key, f"only used when exporter is {exporter} (it is {self.exporter})")
         return self
 
 
@@ -400,10 +406,13 @@ class Retry(_Model):
 
     @model_validator(mode="after")
     def _exceptions_need_idempotent(self) -> Retry:
-        if self.on_exceptions and self.idempotent is False:
+        if self.on_exceptions and not self.idempotent:  # (false, or an empty list of globs)
             # (a declared exception means the call ran: it is only retried for idempotent methods)
             raise _At("on_exceptions", "only retried for idempotent methods: set idempotent "
                                        "(true, or globs of the methods it may retry)")
+        if self.on_exceptions and self.attempts == 1:
+            raise _At("on_exceptions", "never retried with attempts 1 (the first try only): "
+                                       "set attempts to 2 or more")
         return self
 
 
@@ -1019,9 +1028,49 @@ def _read_again(path: str | Path) -> str:
     return _config_text(raw)
 
 
+_CORE = {f"tag:yaml.org,2002:{t}" for t in ("bool", "int", "float", "null", "timestamp")}
+
+
+class Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's core schema for plain scalars, as other YAML tools
+    (and Kubernetes' newer ones) read them. PyYAML follows YAML 1.1, where `timeout: 010` is 8
+    (octal), `1:30` is 90 (base 60), `0b11` and `1_000` are numbers and `yes`, `no`, `on`, `off`
+    are booleans, `2001-12-14` a date: a config that says one thing and is read as another.
+    Here `010` is 10, `0o10` is 8, `0x10` is 16, only `true`/`false` are booleans, and the rest
+    are strings (which the schema then refuses, at their key, where a number or a boolean is due)."""
+
+    yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag not in _CORE]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+    def construct_yaml_int(self, node):
+        text = self.construct_scalar(node)
+        sign = -1 if text[0] == "-" else 1
+        digits = text.lstrip("+-")
+        if digits.startswith("0o"):
+            return sign * int(digits[2:], 8)
+        if digits.startswith("0x"):
+            return sign * int(digits[2:], 16)
+        return sign * int(digits, 10)
+
+
+def _core_resolver(tag: str, pattern: str, first: str) -> None:
+    Yaml12Loader.add_implicit_resolver(tag, re.compile(pattern, re.X), list(first))
+
+
+_core_resolver("tag:yaml.org,2002:bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF")
+Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:null", re.compile(r"^(?:~|null|Null|NULL|)$"),
+                                   ["~", "n", "N", ""])
+_core_resolver("tag:yaml.org,2002:int", r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$", "-+0123456789")
+_core_resolver("tag:yaml.org,2002:float",
+               r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$",
+               "-+0123456789.")
+Yaml12Loader.add_constructor("tag:yaml.org,2002:int", Yaml12Loader.construct_yaml_int)
+
+
 def _read_yaml(text: str) -> tuple[Any, dict[Loc, int], list[tuple[Loc, str]]]:
     """The data, the 1-based line where each key path starts, and duplicate-key problems."""
-    loader = yaml.SafeLoader(text)
+    loader = Yaml12Loader(text)
     try:
         root = loader.get_single_node()
         if root is None:

@@ -315,7 +315,7 @@ def file_signature(path: Path) -> tuple | None:
 def parse_endpoints_file(text: str) -> list[Spec]:
     """A YAML list of `host:port` or `{address: host:port, weight: N}`; raises ValueError."""
     try:  # (not libyaml's CSafeLoader, 8x faster: 100,000 nested lists crash it, a segfault)
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=cfgmod.Yaml12Loader)  # (010 is 10 there too, as in the config)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""

@@ -126,9 +126,10 @@ def test_defaults_are_the_documented_ones():
 
 
 def test_section_defaults():
-    cfg = loads(MINIMAL + "admin: {}\ntracing: {path: spans.jsonl}\n")
+    cfg = loads(MINIMAL + "admin: {}\ntracing: {}\n")
     assert cfg.admin.listen == Address("127.0.0.1", 9901) and cfg.admin.allow_remote is False
     assert cfg.tracing.exporter == "otlp"  # a tracing section without exporter means otlp
+    cfg = loads(MINIMAL + "tracing: {exporter: jsonl, path: spans.jsonl}\n")
     assert cfg.tracing.path == Path("spans.jsonl")  # output file: left relative to the cwd
     hc = loads(MINIMAL + "    transport: header\n    protocol: binary\n    health_check: {}\n")
     assert (hc.clusters[0].health_check.interval, hc.clusters[0].health_check.timeout) == (5.0, 1.0)
@@ -298,6 +299,13 @@ ENDPOINTS = "[127.0.0.1:9191]"
         "3: listeners[0].routes[0].match.header.a: must be a string, or {exact: ...}, {regex: ...} "
         "or {present: true}",
         "3: listeners[0].routes[0].match.header.b: needs exactly one of exact, regex or present"]),
+    # settings that could never take effect (found by a review: both passed before)
+    (ROUTE, "[{cluster: users, retry: {attempts: 3, idempotent: [], on_exceptions: [1]}}]", [
+        "3: listeners[0].routes[0].retry.on_exceptions: only retried for idempotent methods: set "
+        "idempotent (true, or globs of the methods it may retry)"]),
+    (ROUTE, "[{cluster: users, retry: {idempotent: true, on_exceptions: [1]}}]", [
+        "3: listeners[0].routes[0].retry.on_exceptions: never retried with attempts 1 (the first try "
+        "only): set attempts to 2 or more"]),
     (ROUTE, "[{cluster: users, match: {invert: true}}]", [
         "3: listeners[0].routes[0].match: needs method, service or header "
         "(leave match out for the default route)"]),
@@ -394,6 +402,43 @@ def test_a_regex_python_s_re_threw_on_loads(regex):
     text = MINIMAL.replace(ROUTE, "[{cluster: users, match: {header: {a: {regex: '%s'}}}}]" % regex)
     (route,) = loads(text, "x.yaml").listeners[0].routes
     assert route.match.header["a"].regex == regex
+
+
+@pytest.mark.parametrize("tracing, error", [
+    ("{exporter: none, path: x.jsonl}", "tracing.path: only used when exporter is jsonl (it is none)"),
+    ("{exporter: jsonl, path: x.jsonl, endpoint: 'http://x:1'}", "tracing.endpoint: only used when exporter is otlp (it is jsonl)"),
+    ("{exporter: console, otlp_protocol: http}", "tracing.otlp_protocol: only used when exporter is otlp (it is console)"),
+    ("{path: x.jsonl, max_file_size: 2MiB}", "tracing.path: only used when exporter is jsonl (it is otlp)"),
+])
+def test_a_tracing_setting_the_exporter_never_reads_is_refused(tracing, error):
+    """Before: accepted and silently ignored (the file was never written, the endpoint never
+    called)."""
+    text = MINIMAL + f"tracing: {tracing}\n"
+    with pytest.raises(ConfigError) as info:
+        loads(text, "x.yaml")
+    line = text.count("\n")
+    assert info.value.errors[0] == f"x.yaml:{line}: {error}", info.value.errors
+
+
+@pytest.mark.parametrize("written, seconds", [("010", 10.0), ("0o10", 8.0), ("0x10", 16.0), ("1.5", 1.5)])
+def test_numbers_are_read_as_yaml_1_2_says(written, seconds):
+    """PyYAML reads YAML 1.1, where `010` is octal 8: the config said 10 s and got 8. YAML 1.2's
+    core schema (as other YAML tools read it): `010` is 10, octal is `0o10`."""
+    config = loads(MINIMAL.replace(ROUTE, f"[{{cluster: users, timeout: {written}}}]"), "x.yaml")
+    assert config.listeners[0].routes[0].timeout == seconds
+
+
+@pytest.mark.parametrize("written, error", [
+    ("timeout: 1:30", "3: listeners[0].routes[0].timeout: duration must look like 250ms, 2s or 1m"),
+    ("retry: {idempotent: yes}", "3: listeners[0].routes[0].retry.idempotent: must be true, false or a list of method globs"),
+    ("retry: {idempotent: on}", "3: listeners[0].routes[0].retry.idempotent: must be true, false or a list of method globs"),
+])
+def test_yaml_1_1_sexagesimals_and_yes_no_on_off_are_not_numbers_or_booleans(written, error):
+    """YAML 1.1 read `1:30` as 90 and `yes`/`on` as true; here they are strings, which the
+    schema refuses where a duration or a boolean is due."""
+    with pytest.raises(ConfigError) as info:
+        loads(MINIMAL.replace(ROUTE, f"[{{cluster: users, {written}}}]"), "x.yaml")
+    assert info.value.errors == [f"x.yaml:{error}"]
 
 
 def _protocols(listener: str, cluster: str, routes: str = "[{cluster: users}]") -> str:

@@ -268,9 +268,10 @@ def test_exception_names_resolve_per_method():
 
 def test_unresolvable_exception_names_are_loud():
     with pytest.raises(ValueError, match="need the listener's idl"):
-        RetryPolicy(config.Retry(idempotent=True, on_exceptions=["Busy"]), BUFFER)
+        RetryPolicy(config.Retry(attempts=2, idempotent=True, on_exceptions=["Busy"]), BUFFER)
     with pytest.raises(ValueError, match=r"\['Gone'\] declared by no method"):
-        RetryPolicy(config.Retry(idempotent=True, on_exceptions=["Busy", "Gone"]), BUFFER, {"m": {"Busy": 1}})
+        RetryPolicy(config.Retry(attempts=2, idempotent=True, on_exceptions=["Busy", "Gone"]), BUFFER,
+                    {"m": {"Busy": 1}})
 
 
 # concurrency limits ------------------------------------------------------------------------
