@@ -361,6 +361,37 @@ def test_buffered_bogus_body_is_refused_by_the_scanner(guard, body):
         assert_bad_request(r, seqid=43, name="lookup")
 
 
+@pytest.mark.parametrize("listener", ["framed", "buffered"])
+@pytest.mark.parametrize("mtype", [0, 5, 7])
+def test_an_invalid_message_type_is_answered_with_its_seqid_and_name(guard, listener, mtype):
+    """A strict binary `ping` whose type byte is not CALL..ONEWAY: PROTOCOL_ERROR addressed to
+    its seqid and name, which were readable. Before: seqid 0 and no name."""
+    head = struct.pack("!Ii", 0x80010000 | mtype, 4) + b"ping" + struct.pack("!i", 11) + b"\x00"
+    msg = struct.pack("!i", len(head)) + head if listener == "framed" else head
+    with socket.create_connection(("127.0.0.1", getattr(guard, listener))) as s:
+        s.sendall(msg)
+        data, eof = read_all_until_eof(s, 5)
+    (reply,) = decode_all(data, listener)
+    assert_bad_request(reply, seqid=11, name="ping", why=f"invalid message type {mtype}")
+
+
+def test_a_compact_theader_listener_answers_an_unreadable_header_block_in_compact():
+    """DESIGN: errors go back in the client's own framing and protocol. A THeader frame whose
+    header size points past its end cannot name its protocol: the listener's (compact) is used,
+    not binary."""
+    from harness import Proxy, config_text
+
+    with Proxy(config_text(["127.0.0.1:9"], transport="header", protocol="compact")) as p:
+        body = struct.pack("!HHiH", 0x0FFF, 0, 5, 100)  # 400 header bytes in a 10-byte frame
+        with socket.create_connection(("127.0.0.1", p.port())) as s:
+            s.sendall(struct.pack("!i", len(body)) + body)
+            data, eof = read_all_until_eof(s, 5)
+    assert eof and len(data) > 14, data
+    # the reply's THeader block: length(4) magic(2) flags(2) seqid(4) words(2), then the protocol id
+    assert struct.unpack_from("!HHi", data, 4) == (0x0FFF, 0, 5)
+    assert data[14] == 2, f"protocol id {data[14]} (0 binary, 2 compact)"
+
+
 # -- a client sending one byte per second -------------------------------------------------------
 
 

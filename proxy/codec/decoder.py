@@ -75,6 +75,19 @@ _FIELD_HEAD_MAX = 11
 _HEAD_MAX = 4 + 4 + 4 + MAX_NAME_LENGTH + 4
 
 
+def _head_of_bad(buf, start: int, end: int, protocol: Protocol, framing: Framing) -> Head | None:
+    """The head of a message refused (best effort), to address the answer: read with any
+    message type (an invalid one is answered as a CALL), None if no head can be read."""
+    try:
+        r = read_head(buf, start, end, protocol, any_type=True)
+    except ProtocolError:
+        return None
+    if r is None:
+        return None
+    mtype = r[1] if MessageType.CALL <= r[1] <= MessageType.ONEWAY else MessageType.CALL
+    return Head(r[0], mtype, r[2], framing, protocol)
+
+
 class Decoder:
     """Turns a byte stream into Messages.
 
@@ -525,13 +538,12 @@ class Decoder:
                 protocol = Protocol.BINARY
             else:
                 return None
-        try:
-            r = read_head(buf, start, end, protocol)
-        except ProtocolError:
-            return None
-        if r is None:
-            return None
-        return Head(r[0], r[1], r[2], framing, protocol)
+        return _head_of_bad(buf, start, end, protocol, framing)
+
+    def _answer_protocol(self) -> Protocol:
+        """The protocol to answer a THeader request in whose block cannot name its own: the
+        listener's (DESIGN: errors go back in the client's own framing and protocol)."""
+        return Protocol.COMPACT if self.protocol is Protocol.COMPACT else Protocol.BINARY
 
     def _peek_header_head(self, buf, start: int, end: int, framing: Framing) -> Head | None:
         """The head inside a THeader frame we refuse; at least its seqid when the fixed part is here.
@@ -546,7 +558,7 @@ class Decoder:
         protocol = self.protocol or Protocol.BINARY
         fallback = Head("", MessageType.CALL, seqid, framing, protocol)
         try:
-            block, payload = parse_header_block(buf, start, end, framing)
+            block, payload = parse_header_block(buf, start, end, framing, self._answer_protocol())
             protocol = self._header_protocol(block.protocol)
             fallback = Head("", MessageType.CALL, seqid, framing, protocol)
             readable, pos, stop = buf, payload, end
@@ -584,7 +596,7 @@ class Decoder:
             if end - start < 4 or _I32.unpack_from(data, start)[0] != end - start - 4:
                 raise ProtocolError("bad request: framed THeader: inner length does not match the frame")
             start += 4
-        block, payload = parse_header_block(data, start, end, framing)
+        block, payload = parse_header_block(data, start, end, framing, self._answer_protocol())
         protocol = block.protocol
         if self.protocol is None:
             self.protocol = protocol
@@ -627,7 +639,10 @@ class Decoder:
 
     def _message(self, readable, start: int, end: int, framing: Framing, protocol: Protocol,
                  block, data, data_start: int, prefix_only: bool = False) -> Message:
-        r = read_head(readable, start, end, protocol)
+        try:
+            r = read_head(readable, start, end, protocol)
+        except ProtocolError as e:  # (e.g. an invalid message type: its seqid and name still address the answer)
+            raise e.with_head(_head_of_bad(readable, start, end, protocol, framing))
         if r is None:
             if prefix_only:
                 raise ProtocolError("bad request: message head beyond the inflated prefix")
@@ -706,7 +721,10 @@ class Decoder:
         scan_end = end if end < limit else limit
         head = self._head
         if head is None:
-            r = read_head(buf, off, scan_end, protocol)
+            try:
+                r = read_head(buf, off, scan_end, protocol)
+            except ProtocolError as e:
+                raise e.with_head(_head_of_bad(buf, off, scan_end, protocol, Framing.BUFFERED))
             if r is None:
                 if end >= limit:
                     raise ProtocolError(

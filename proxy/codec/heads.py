@@ -86,18 +86,19 @@ def _decode_name(raw) -> str:
     return bytes(raw).decode("utf-8", "replace")
 
 
-def read_head(buf, pos: int, end: int, protocol: Protocol):
+def read_head(buf, pos: int, end: int, protocol: Protocol, any_type: bool = False):
     """Decode a message head at buf[pos:end].
 
     Returns (name, type, seqid, body_offset) or None when more bytes are needed.
-    Raises ProtocolError for bytes that cannot be a message head.
+    Raises ProtocolError for bytes that cannot be a message head. `any_type`: a message type
+    out of range is returned, not refused (to answer such a request with its seqid and name).
     """
     if protocol is Protocol.COMPACT:
-        return _read_compact_head(buf, pos, end)
-    return _read_binary_head(buf, pos, end, protocol is Protocol.BINARY_NONSTRICT)
+        return _read_compact_head(buf, pos, end, any_type)
+    return _read_binary_head(buf, pos, end, protocol is Protocol.BINARY_NONSTRICT, any_type)
 
 
-def _read_binary_head(buf, pos: int, end: int, nonstrict_ok: bool):
+def _read_binary_head(buf, pos: int, end: int, nonstrict_ok: bool, any_type: bool = False):
     if end - pos < 4:
         return None
     first = _I32.unpack_from(buf, pos)[0]
@@ -105,7 +106,8 @@ def _read_binary_head(buf, pos: int, end: int, nonstrict_ok: bool):
         if (first & BINARY_VERSION_MASK & 0xFFFFFFFF) != BINARY_VERSION_1:
             raise ProtocolError(f"bad request: bad binary protocol version 0x{first & 0xFFFFFFFF:08x}")
         mtype = first & 0xFF
-        _check_type(mtype)
+        if not any_type:
+            _check_type(mtype)
         if end - pos < 8:
             return None
         nlen = _I32.unpack_from(buf, pos + 4)[0]
@@ -133,12 +135,13 @@ def _read_binary_head(buf, pos: int, end: int, nonstrict_ok: bool):
         return None
     name = _decode_name(buf[pos + 4:pos + 4 + nlen])
     mtype = buf[pos + 4 + nlen]
-    _check_type(mtype)
+    if not any_type:
+        _check_type(mtype)
     seqid = _I32.unpack_from(buf, pos + 5 + nlen)[0]
     return name, mtype, seqid, need
 
 
-def _read_compact_head(buf, pos: int, end: int):
+def _read_compact_head(buf, pos: int, end: int, any_type: bool = False):
     if end - pos < 2:
         return None
     if buf[pos] != COMPACT_PROTOCOL_ID:
@@ -147,7 +150,8 @@ def _read_compact_head(buf, pos: int, end: int):
     if vt & COMPACT_VERSION_MASK != COMPACT_VERSION:
         raise ProtocolError(f"bad request: bad compact protocol version {vt & COMPACT_VERSION_MASK}")
     mtype = (vt >> COMPACT_TYPE_SHIFT) & 0x07
-    _check_type(mtype)
+    if not any_type:
+        _check_type(mtype)
     r = read_varint(buf, pos + 2, end)
     if r is None:
         return None

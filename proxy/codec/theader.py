@@ -60,10 +60,12 @@ class HeaderBlock:
         return Protocol.COMPACT if self.protocol_id == THEADER_PROTOCOL_COMPACT else Protocol.BINARY
 
 
-def parse_header_block(buf, start: int, end: int, framing: Framing) -> tuple[HeaderBlock, int]:
+def parse_header_block(buf, start: int, end: int, framing: Framing,
+                       protocol: Protocol = Protocol.BINARY) -> tuple[HeaderBlock, int]:
     """Parse buf[start:end], the bytes after a THeader frame's length prefix.
 
-    Returns the block and the offset of the payload. Raises ProtocolError.
+    Returns the block and the offset of the payload. Raises ProtocolError, its head (for the
+    answer) in `protocol` (the listener's) when the block is too broken to name its own.
     """
     if end - start < THEADER_FIXED_SIZE:
         raise ProtocolError("bad request: THeader frame shorter than its fixed header")
@@ -74,7 +76,7 @@ def parse_header_block(buf, start: int, end: int, framing: Framing) -> tuple[Hea
     hend = hstart + words * 4
     if hend > end:
         raise ProtocolError(f"bad request: THeader header size {words * 4} beyond the frame",
-                            head=Head("", 1, seqid, framing, Protocol.BINARY))
+                            head=Head("", 1, seqid, framing, protocol))
     try:
         pid, p = _varint(buf, hstart, hend)
         count, p = _varint(buf, p, hend)
@@ -102,10 +104,10 @@ def parse_header_block(buf, start: int, end: int, framing: Framing) -> tuple[Hea
                 v, p = _string(buf, p, hend)
                 headers[k] = v
     except ProtocolError as e:
-        raise e.with_head(Head("", 1, seqid, framing, Protocol.BINARY))
+        raise e.with_head(Head("", 1, seqid, framing, protocol))
     if pid not in (THEADER_PROTOCOL_BINARY, THEADER_PROTOCOL_COMPACT):
         raise ProtocolError(f"bad request: unsupported THeader protocol id {pid}",
-                            head=Head("", 1, seqid, framing, Protocol.BINARY))
+                            head=Head("", 1, seqid, framing, protocol))
     block = HeaderBlock(flags, seqid, pid, tuple(transforms), headers)
     unknown = [t for t in transforms if t not in SUPPORTED_TRANSFORMS]
     if unknown:
