@@ -50,7 +50,7 @@ def _proxy(text: str, monkeypatch, filename: str = CONFIG_NAME, **kw) -> Proxy:
 def _config_checks_idl() -> bool:
     """Does config loading check IDL references (the rule `config_problems` states)?"""
     text = config_text(["127.0.0.1:1"]).replace(
-        "      - cluster: up", "      - cluster: up\n        retry: {idempotent: true, on_exceptions: [Unavailable]}")
+        "      - cluster: up", "      - cluster: up\n        retry: {attempts: 2, idempotent: true, on_exceptions: [Unavailable]}")
     try:
         cfgmod.loads(text)
     except cfgmod.ConfigError:
@@ -235,13 +235,13 @@ def test_config_problems_names_without_idl_unknown_names_and_broken_idls(tmp_pat
 
     loc = ("listeners", 0, "routes", 0, "retry", "on_exceptions", 0)
     no_idl = cfgmod.Config.model_validate(
-        yaml_load(_route_retry(base, "{idempotent: true, on_exceptions: [Unavailable]}")))
+        yaml_load(_route_retry(base, "{attempts: 2, idempotent: true, on_exceptions: [Unavailable]}")))
     assert config_problems(no_idl) == [(loc, "exception name 'Unavailable' needs the listener's idl "
                                              "(or give the result field id)")]
 
     typo = cfgmod.Config.model_validate(
         yaml_load(_route_retry(base.replace("    protocol: binary", f"    protocol: binary\n    idl: {IDL}"),
-                               "{idempotent: true, on_exceptions: [Unavailible]}")))
+                               "{attempts: 2, idempotent: true, on_exceptions: [Unavailible]}")))
     assert config_problems(typo) == [(loc, "no method in sidecar_test.thrift declares exception "
                                            "'Unavailible' (did you mean 'Unavailable'?)")]
 
@@ -261,7 +261,7 @@ def yaml_load(text: str):
 def test_check_config_reports_idl_problems_with_their_lines(tmp_path):
     (tmp_path / "bad.thrift").write_text("service S {\n  void f(\n}\n")
     text = _route_retry(config_text(["127.0.0.1:1"]).replace(
-        "    protocol: binary", "    protocol: binary\n    idl: bad.thrift"), "{idempotent: true, on_exceptions: [Unavailable]}")
+        "    protocol: binary", "    protocol: binary\n    idl: bad.thrift"), "{attempts: 2, idempotent: true, on_exceptions: [Unavailable]}")
     (tmp_path / "sidecar.yaml").write_text(text)
     r = subprocess.run([sys.executable, "-m", "proxy", "check-config", str(tmp_path / "sidecar.yaml")],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -291,7 +291,7 @@ listeners:
     listen: 127.0.0.1:0
     routes:
       - cluster: up
-        retry: {idempotent: true, on_exceptions: [Unavailable]}
+        retry: {attempts: 2, idempotent: true, on_exceptions: [Unavailable]}
 clusters:
   - name: up
     endpoints: [127.0.0.1:1]

@@ -438,7 +438,8 @@ def test_request_whose_head_is_cut_by_its_first_read_still_streams():
 
 def test_large_oneway_with_no_route_is_read_whole_and_recorded_once():
     """Only CALLs stream: a large oneway (nothing is ever written back) is read whole as before,
-    so one cut short is recorded not at all, and a whole one exactly once."""
+    so one cut short is recorded once, as a bad request (nothing answered, nothing sent
+    upstream), and a whole one exactly once."""
     up = RecordingUpstream()
     text = _config(up.address).replace("      - cluster: up\n", "      - match: {method: ping}\n        cluster: up\n")
     big = request_bytes("framed", "binary", "log_event", "x" * 3_000_000, seqid=9)
@@ -450,16 +451,18 @@ def test_large_oneway_with_no_route_is_read_whole_and_recorded_once():
                 s.shutdown(socket.SHUT_WR)
                 s.settimeout(5)
                 assert s.recv(100) == b""
+            wait_for(lambda: done, 5, "the cut-short oneway recorded")
             time.sleep(0.2)
-            assert done == []
+            (cut,) = done
+            assert (cut.msg.name, cut.outcome, cut.attempts) == ("log_event", "bad_request", [])
             with socket.create_connection(("127.0.0.1", p.port())) as s:
                 s.sendall(big + request_bytes("framed", "binary", "ping", seqid=10))
                 (ok,) = read_messages(s, 1, "framed", "binary")
-            wait_for(lambda: len(done) == 2, 5, "two calls recorded")
+            wait_for(lambda: len(done) == 3, 5, "two more calls recorded")
     finally:
         up.close()
     assert ok.seqid == 10
-    (oneway,) = [c for c in done if c.msg.name == "log_event"]
+    (oneway,) = [c for c in done[1:] if c.msg.name == "log_event"]
     assert oneway.upload is None and oneway.outcome == "no_route"
 
 
