@@ -25,6 +25,7 @@ from typing import Callable
 
 log = logging.getLogger(__name__)
 
+_GONE = object()
 ORDER_SLACK = 0.001  # s: a deadline this much before the last one set still goes in the queue
 EARLY = 0.001        # s: a deadline this close when the timer fires is due (uvloop rounds a
                      # timer's delay to whole milliseconds: it may fire up to 0.5 ms early)
@@ -54,14 +55,14 @@ class Deadline:
 class DeadlineQueue:
     """Deadlines that fall due in about the order they are set, on one loop timer."""
 
-    __slots__ = ("loop", "due", "last", "_timer", "_armed_at")
+    __slots__ = ("loop", "due", "last", "_timer", "_firing")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.due: dict[Deadline, None] = {}  # in the order set: insertion order is due order
         self.last = 0.0                      # the latest deadline set (the queue's tail)
         self._timer: asyncio.TimerHandle | None = None
-        self._armed_at = 0.0
+        self._firing = False  # in _fire: it arms the timer once its callbacks are done
 
     def __len__(self) -> int:
         return len(self.due)
@@ -74,30 +75,42 @@ class DeadlineQueue:
         self.due[d] = None
         if at > self.last:
             self.last = at
-        if self._timer is None:
+        if self._timer is None and not self._firing:
             self._arm(at)
         return d
 
     def _arm(self, at: float) -> None:
-        self._armed_at = at
         self._timer = self.loop.call_at(at, self._fire)
 
     def _fire(self) -> None:
-        """The timer is due: run every deadline due by now (in order), arm for the next one."""
+        """The timer is due: run every deadline due by now (in order), then arm the one timer
+        for the next. (A callback may set deadlines: `set` leaves the arming to this.)"""
         self._timer = None
         due = self.due
-        now = self.loop.time() + EARLY
-        while due:
-            d = next(iter(due))
-            if d.at > now:
-                self._arm(d.at)
-                return
-            del due[d]
-            try:
-                d.callback(*d.args)
-            except (SystemExit, KeyboardInterrupt):
-                raise
-            except BaseException as e:  # as the loop would for a timer of its own: said, and on
-                self.loop.call_exception_handler({
-                    "message": f"Exception in deadline callback {d!r}", "exception": e})
-        self.last = 0.0  # (empty: any deadline may come next)
+        self._firing = True
+        try:
+            while True:
+                now = self.loop.time() + EARLY
+                batch = []
+                for d in due:  # one pass from the front (not one scan of the front per deadline)
+                    if d.at > now:
+                        break
+                    batch.append(d)
+                if not batch:
+                    break
+                for d in batch:
+                    if due.pop(d, _GONE) is _GONE:
+                        continue  # cancelled by an earlier callback
+                    try:
+                        d.callback(*d.args)
+                    except (SystemExit, KeyboardInterrupt):
+                        raise
+                    except BaseException as e:  # as the loop would for a timer of its own: said, and on
+                        self.loop.call_exception_handler({
+                            "message": f"Exception in deadline callback {d!r}", "exception": e})
+        finally:
+            self._firing = False
+        if due:
+            self._arm(next(iter(due)).at)
+        else:
+            self.last = 0.0  # (empty: any deadline may come next)

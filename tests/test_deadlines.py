@@ -114,9 +114,79 @@ def test_a_callback_may_set_the_next_deadline():
     assert _run(go) == [1, 2, 3]
 
 
+class _CountingLoop:
+    """The loop, counting the timers `call_at` armed that have not run yet."""
+
+    def __init__(self, loop) -> None:
+        self.loop = loop
+        self.live = 0
+        self.most = 0
+
+    def call_at(self, at, callback, *args):
+        def run():
+            self.live -= 1
+            callback(*args)
+        self.live += 1
+        self.most = max(self.most, self.live)
+        return self.loop.call_at(at, run)
+
+    def __getattr__(self, name):
+        return getattr(self.loop, name)
+
+
+def test_callbacks_that_set_deadlines_leave_one_loop_timer():
+    """Deadlines every 20 ms, each callback setting another 100 ms out, while later ones are
+    still queued: the queue holds one loop timer throughout. Before: a deadline set during a
+    fire armed a timer, and the fire armed another for the queue's head; each such chain then
+    re-armed itself for as long as the queue was never empty (fires per second grew)."""
+    async def go(loop):
+        counting = _CountingLoop(loop)
+        q = DeadlineQueue(counting)
+        fired = []
+        t0 = loop.time()
+
+        def again(n):
+            fired.append(n)
+            if n < 30:
+                q.set(loop.time() + 0.1, again, n + 5)
+
+        for i in range(5):
+            q.set(t0 + 0.02 * (i + 1), again, i)
+        await asyncio.sleep(0.9)
+        return counting.most, fired
+
+    most, fired = _run(go)
+    assert sorted(fired) == list(range(35)), fired
+    assert most == 1, f"{most} loop timers at once"
+
+
+def test_many_deadlines_due_at_once_fire_in_one_pass():
+    """30,000 answered calls' deadlines cancelled from the front, then 40,000 due at once (the
+    loop stalled): they fire in order, in linear time (one pass; a scan of the dict's front per
+    deadline was quadratic: ~550 ms here)."""
+    async def go(loop):
+        q = DeadlineQueue(loop)
+        fired = []
+        t0 = loop.time()
+        gone = [q.set(t0 + 0.01, fired.append, -1) for _ in range(30_000)]
+        for d in gone:
+            d.cancel()
+        for i in range(40_000):
+            q.set(t0 + 0.01, fired.append, i)
+        import time
+        time.sleep(0.05)  # (the loop stalls: all of them are due when it runs timers again)
+        cpu0 = time.process_time()
+        await asyncio.sleep(0.05)
+        return fired, time.process_time() - cpu0
+
+    fired, cpu = _run(go)
+    assert fired == list(range(40_000))
+    assert cpu < 0.25, f"{cpu * 1000:.0f} ms of CPU to fire 40,000 deadlines"
+
+
 def test_answered_calls_leave_nothing_queued_behind_a_slow_one():
-    """A slow call holds the head of its route's deadline queue; 200 quick calls after it
-    are answered and leave it at once (a dict delete), so the queue holds one deadline, not 201
+    """A slow call holds the head of its route's deadline queue; 50 quick calls after it
+    are answered and leave it at once (a dict delete), so the queue holds one deadline, not 51
     (a queue that only dropped answered deadlines as the head fell due would hold them all for
     the whole route timeout)."""
     up = ThriftServer()
@@ -126,11 +196,12 @@ def test_answered_calls_leave_nothing_queued_behind_a_slow_one():
             pipeline = p.server.listeners["test"].pipeline
             slow = client(p.port(), timeout=10)
             with slow:
-                t = threading.Thread(target=slow.sleep, args=(1500,))
+                t = threading.Thread(target=slow.sleep, args=(3000,))
                 t.start()
-                for i in range(200):
+                for i in range(50):
                     assert quick.echo(b"x") == b"x"
                 queued = p.call(lambda: sum(len(q) for q in pipeline._deadlines.values()))
+                assert t.is_alive(), "the slow call ended before the quick ones: nothing measured"
                 t.join()
             after = p.call(lambda: sum(len(q) for q in pipeline._deadlines.values()))
     finally:
