@@ -495,7 +495,7 @@ class ClientConnection(asyncio.Protocol):
         if up is not None:  # answer it (the client half-closed), then close
             self._upload_broken(f"bad request: connection closed inside a request ({up.progress()})")
             return bool(self.queue)
-        if self.decoder.buffered and len(self.queue) >= self.settings.max_inflight:
+        if self.decoder.buffered and self._full():
             self._eof = True  # whole requests wait in the decoder: answer them first
             return True
         return self._half_closed()
