@@ -49,6 +49,7 @@ from pydantic import (
     model_validator,
 )
 
+from proxy.router import compile_regex
 from proxy.units import (
     Address,
     format_duration,
@@ -426,7 +427,6 @@ def _header_match(value: object) -> object:
 
 def _regex(value: str | None) -> str | None:
     if value is not None:
-        from proxy.router import compile_regex
         compile_regex(value)  # (ValueError: said at the key, with its line)
     return value
 
@@ -1054,13 +1054,13 @@ class Yaml12Loader(yaml.SafeLoader):
         return sign * int(digits, 10)
 
 
-def _core_resolver(tag: str, pattern: str, first: str) -> None:
-    Yaml12Loader.add_implicit_resolver(tag, re.compile(pattern, re.X), list(first))
+def _core_resolver(tag: str, pattern: str, first) -> None:
+    """`first`: the characters a plain scalar of the tag may begin with ("" for the empty one)."""
+    Yaml12Loader.add_implicit_resolver(tag, re.compile(pattern), list(first))
 
 
 _core_resolver("tag:yaml.org,2002:bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF")
-Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:null", re.compile(r"^(?:~|null|Null|NULL|)$"),
-                                   ["~", "n", "N", ""])
+_core_resolver("tag:yaml.org,2002:null", r"^(?:~|null|Null|NULL|)$", ["~", "n", "N", ""])
 _core_resolver("tag:yaml.org,2002:int", r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$", "-+0123456789")
 _core_resolver("tag:yaml.org,2002:float",
                r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$",

@@ -20,10 +20,7 @@ time and may set the deadline again, as they do for a timer that fired early or 
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Callable
-
-log = logging.getLogger(__name__)
 
 _GONE = object()
 ORDER_SLACK = 0.001  # s: a deadline this much before the last one set still goes in the queue

@@ -698,8 +698,7 @@ class ClientConnection(asyncio.Protocol):
         self.stream_call = call
         self.stream_up = upconn
         if call.req_held:  # (answered: no attempt can follow)
-            self.open_bytes -= call.req_held
-            call.req_held = 0
+            self._answered(call)
         call.t_write = monotonic_ns()
         if self.paused_writing:
             upconn.pause_reading()
@@ -821,8 +820,7 @@ class ClientConnection(asyncio.Protocol):
             if call.req_held:
                 # its answer is final: no attempt can follow, and its request's bytes go now, not
                 # when the slow call ahead of it is answered (they would count in open_bytes)
-                self.open_bytes -= call.req_held
-                call.req_held = 0
+                self._answered(call)
                 call.drop_request()
                 if self.paused_reading:
                     self._maybe_resume()
@@ -832,7 +830,7 @@ class ClientConnection(asyncio.Protocol):
         unacked = self._unacked
         while q and q[0].reply is not None:
             c = q.popleft()
-            if c.req_held:
+            if c.req_held:  # (_answered, inline: once per call)
                 self.open_bytes -= c.req_held
                 c.req_held = 0
             if self._waiting:
@@ -868,6 +866,11 @@ class ClientConnection(asyncio.Protocol):
             return
         if self.paused_reading:
             self._maybe_resume()
+
+    def _answered(self, call: Call) -> None:
+        """`call` has its answer: its request's bytes no longer count in open_bytes."""
+        self.open_bytes -= call.req_held
+        call.req_held = 0
 
     def _maybe_resume(self) -> None:
         if (self.paused_reading and not self.paused_writing and not self.closing and not self._upload_held
