@@ -266,6 +266,9 @@ class Attempt(Exchange):
             return True  # (nobody waits for it: read whole and dropped)
         return call.conn.wait_whole(call, head.total, pressed=True, force=force)
 
+    def owner(self):
+        return self.call.conn
+
     def held_for(self, ns: int) -> None:
         # held unread behind the client's earlier calls: the client's doing (client_paused_ms;
         # the timeouts credit it), as when it holds a streaming reply back by not reading; this

@@ -326,7 +326,7 @@ class Pipeline:
                     "waiting for a connection", written=False, endpoint_fault=False))
                 return
             attempt.pending = True
-        attempt.waiter = pool.acquire(attempt)
+        attempt.waiter = pool.acquire(attempt, call.conn)
 
     def _arm_per_try(self, attempt: Attempt, per_try: float) -> None:
         """The attempt's per-try deadline, unless the route deadline comes first."""

@@ -86,10 +86,11 @@ class Connect:
 class Waiter:
     """A caller waiting for a connection: `callback(conn, error)` runs once."""
 
-    __slots__ = ("callback", "timer", "done", "queue", "connect")
+    __slots__ = ("callback", "owner", "timer", "done", "queue", "connect")
 
-    def __init__(self, callback) -> None:
+    def __init__(self, callback, owner=None) -> None:
         self.callback = callback
+        self.owner = owner  # the client (connection) the call is for: Pool's fair share of held replies
         self.timer: asyncio.TimerHandle | None = None  # acquire_timeout, when it waits for a release
         self.done = False
         self.queue: deque | None = None  # the pool's waiters, while it waits in them
@@ -169,9 +170,10 @@ class Pool:
                 return conn
         return None
 
-    def acquire(self, callback) -> Waiter:
-        """Arrange `callback(conn, error)`: a new connection, or the next one released."""
-        w = Waiter(callback)
+    def acquire(self, callback, owner=None) -> Waiter:
+        """Arrange `callback(conn, error)`: a new connection, or the next one released.
+        `owner`: the client the call is for (its held replies' share of the pool: `relieve`)."""
+        w = Waiter(callback, owner)
         if self.closed:
             self.loop.call_soon(w.fire, None, UpstreamError(f"pool for {self.label} is closed", written=False,
                                                             endpoint_fault=False))
@@ -192,11 +194,16 @@ class Pool:
     def relieve(self) -> None:
         """Calls wait for a connection: a connection holding a large reply unread for its turn
         (only to spare the proxy's memory) reads it whole instead, then serves them, if the
-        memory for replies waiting their turn allows (smallest first). When it does not, and
-        every connection of the pool holds a reply, the smallest is read whole all the same:
-        none of them would come free by itself (the calls they wait behind may be the very
-        calls waiting here: a retry of a client's earlier call, behind its own later call's
-        reply)."""
+        memory for replies waiting their turn allows (smallest first). When it does not, the
+        smallest is read whole all the same (past the budget) when
+        - every connection of the pool holds a reply: none of them would come free by itself
+          (the calls they wait behind may be the very calls waiting here: a retry of a client's
+          earlier call, behind its own later call's reply); or
+        - one client's held replies take more than its share of the pool (`share`) while a call
+          of a client under its share waits: one client pipelining large calls behind a slow one
+          must not starve the others out of the pool. The connection freed goes to that call
+          (`_serve`), and a client at its share gets no more while others wait: so one reply is
+          read past the budget per call of another client's, not one per call of its own."""
         if not self.held or not self.waiters:
             return
         held = sorted(self.held, key=lambda c: c.held_size())
@@ -205,6 +212,39 @@ class Pool:
                 return
         if len(held) >= self.open:
             held[0].read_held_whole(force=True)
+            return
+        counts = self._holders()
+        share = self.share()
+        greedy = max(counts, key=counts.__getitem__)
+        if counts[greedy] > share and any(not w.done and counts.get(w.owner, 0) < share for w in self.waiters):
+            for conn in held:
+                if conn.held_owner() is greedy and conn.read_held_whole(force=True):
+                    return
+
+    def share(self) -> int:
+        """Connections of this pool one client's held replies may keep while others' calls wait."""
+        return max(1, self.settings.max_connections // 2)
+
+    def _holders(self) -> dict:
+        """Held connections (`held`) by the client their reply is for."""
+        counts: dict = {}
+        for conn in self.held:
+            owner = conn.held_owner()
+            counts[owner] = counts.get(owner, 0) + 1
+        return counts
+
+    def _fair_waiter(self) -> Waiter | None:
+        """The oldest waiter whose client holds fewer than its share of held connections, taken
+        off the queue, when another client holds its share or more; None: serve the oldest."""
+        counts = self._holders()
+        share = self.share()
+        if max(counts.values()) < share:
+            return None
+        for w in self.waiters:
+            if not w.done and counts.get(w.owner, 0) < share:
+                self.waiters.remove(w)
+                return w
+        return None
 
     def release(self, conn: UpstreamConnection) -> None:
         if conn.closed:
@@ -232,13 +272,17 @@ class Pool:
         counted on by the waiter `made` was for), or may have counted on none (then `made`'s
         waiter now waits for a release)."""
         waiters = self.waiters
-        while waiters:
-            w = waiters.popleft()
+        w = self._fair_waiter() if self.held and len(waiters) > 1 else None
+        if w is not None:
             w.queue = None
-            if not w.done:
-                break
         else:
-            return False
+            while waiters:
+                w = waiters.popleft()
+                w.queue = None
+                if not w.done:
+                    break
+            else:
+                return False
         heir = made.owner if made is not None else None
         if heir is w or (heir is not None and heir.done):
             heir = None

@@ -128,6 +128,11 @@ class Exchange:
         whole, WAIT_TURN to hold it unread until `take_turn()` (then asked again)."""
         return False
 
+    def owner(self):  # pragma: no cover - interface
+        """The client the call is for (any hashable; None: none): one client's held replies
+        keep at most its share of a pool's connections while others' calls wait (Pool.relieve)."""
+        return None
+
     def held_for(self, ns: int) -> None:  # pragma: no cover - interface
         """The reply was held unread for its turn this long (however the hold ended)."""
 
@@ -383,6 +388,11 @@ class UpstreamConnection(asyncio.Protocol):
                 return
             go = False
         self._go_on(ex, head, buf, go)
+
+    def held_owner(self):
+        """The client the held reply is for (Pool.relieve's share), or None."""
+        ex = self.exchange_
+        return ex.owner() if ex is not None else None
 
     def held_size(self) -> float:
         """The held reply's size (inf: unframed, not known; or none held)."""

@@ -585,10 +585,11 @@ def test_held_reply_times_out_once_the_upstream_stalls_after_its_turn():
     assert echo.error.startswith("may have run: route timeout 600ms (while streaming the reply")
 
 
-def _held_then_ping(port: int, sleep_ms: int, echoes: int = 1, wait: float = 0.4):
+def _held_then_ping(port: int, sleep_ms: int, echoes: int = 1, wait: float = 0.4, on_pong=None):
     """Client A pipelines sleep(sleep_ms) and `echoes` echo calls (seqids 2, 3, ...); `wait`
     seconds later (their replies held, or waiting for connections) another client pings.
-    Returns the ping's reply, how long it took, and A's replies in order."""
+    Returns the ping's reply, how long it took, and A's replies in order (`on_pong()` runs as
+    soon as the ping's reply is in)."""
     with socket.create_connection(("127.0.0.1", port)) as a:
         a.sendall(request_bytes("framed", "binary", "sleep", sleep_ms, seqid=1)
                   + b"".join(request_bytes("framed", "binary", "echo", b"", seqid=i) for i in range(2, 2 + echoes)))
@@ -598,6 +599,8 @@ def _held_then_ping(port: int, sleep_ms: int, echoes: int = 1, wait: float = 0.4
             b.sendall(request_bytes("framed", "binary", "ping", seqid=9))
             (pong,) = read_messages(b, 1)
             took = time.monotonic() - t0
+            if on_pong is not None:
+                on_pong()
         replies = read_messages(a, 1 + echoes, max_size=64 << 20)
     return pong, took, replies
 
@@ -657,6 +660,41 @@ def test_held_replies_are_not_read_whole_for_a_waiting_call_past_the_proxys_budg
         up.close()
     (echo,) = [c for c in done if c.msg.name == "echo"]
     assert echo.streamed and echo.outcome == "success" and echo.attempts[0].held_ns >= 900e6
+
+
+def test_one_client_s_held_replies_leave_its_pool_half_for_the_others():
+    """Client A pipelines a 1.5 s call and 6 large-reply calls on a pool of 4 connections, with
+    the proxy's budget for replies waiting in memory too small for any of them: its replies are
+    held unread, one per connection, and its later calls wait for those connections. Another
+    client's ping, 0.4 s in, is not held behind A's calls: A holds more than half the pool, so
+    one of its held replies is read whole (over the budget), and the connection goes to the ping,
+    not to A's next call (A's waiters queued first: had it gone to them, each of their replies
+    would be held and read whole in turn, the memory growing by one reply per call). Before: the ping waited for the sleep's
+    connection (1.5 s), which went to A's next echo; it timed out (acquire_timeout 2 s) or took
+    over a second."""
+    up = SlowFirstBigUpstream(2_000_000, delay=1.5)
+    try:
+        pool = "\n    pool: {max_connections: 4, acquire_timeout: 2s}"
+        with Proxy(_big_config(up.address, extra_cluster=pool)) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            p.server.waiting.limit = 1_000_000
+            used = []
+            pong, took, replies = _held_then_ping(p.port(), 1500, 6,
+                                                  on_pong=lambda: used.append(p.call(lambda: p.server.waiting.used)))
+            assert (pong.seqid, pong.type) == (9, MessageType.REPLY), pong
+            assert took < 0.9, took
+            # one of A's replies was read whole past the budget for the ping, not one per call of
+            # A's that took the connection freed before the ping did (4 of them, 8 MB)
+            assert used[0] <= 2_000_100, used
+            assert [r.seqid for r in replies] == list(range(1, 8))
+            assert all(r.type == MessageType.REPLY for r in replies), [r for r in replies if r.type != MessageType.REPLY]
+            assert all(len(r.data) == 2_000_028 for r in replies[1:])
+            time.sleep(0.2)
+            assert p.server.waiting.used == 0
+    finally:
+        up.close()
+    assert sorted(c.outcome for c in done) == ["success"] * 8
 
 
 def test_a_held_reply_read_whole_early_keeps_its_timeout_credit():
