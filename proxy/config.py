@@ -22,6 +22,7 @@ the error names the key rather than the whole model.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
 import re
 import stat
@@ -823,17 +824,31 @@ def _name_listeners(data: dict[str, Any]) -> dict[str, Any]:
 _KNOWN_PROTOCOLS = frozenset(get_args(ProtocolName))
 
 
-def _overlap(a: Address, b: Address) -> bool:
-    """Two sockets that cannot both bind: the same port, one of them the wildcard of a family the
-    other belongs to (0.0.0.0: any IPv4 address or host name; `::`: any IPv6 address)."""
+def _overlap(a: Address, b: Address) -> str | None:
+    """Why two sockets cannot both bind, or None: the same port, and one of them the wildcard of
+    a family the other belongs to (0.0.0.0: any IPv4 address or host name; `::`: any IPv6
+    address), or two names for one address (`localhost` binds 127.0.0.1 and ::1: RFC 6761's
+    loopback name, the one name looked at here; others are not resolved)."""
     if a.port != b.port:
-        return False
+        return None
+    same = _bound_hosts(a.host) & _bound_hosts(b.host)
+    if same:
+        return f"both bind {', '.join(sorted(same))}"
     for wild, other in ((a, b), (b, a)):
-        if wild.host == "0.0.0.0" and ":" not in other.host:
-            return True
-        if wild.host == "::" and ":" in other.host:
-            return True
-    return False
+        if (wild.host == "0.0.0.0" and ":" not in other.host) or (
+                wild.host == "::" and (":" in other.host or other.host.lower().rstrip(".") == "localhost")):
+            return "a wildcard address takes its port on every address of its family"
+    return None
+
+
+def _bound_hosts(host: str) -> set[str]:
+    """The addresses a listen host binds, as far as known without a lookup."""
+    if host.lower().rstrip(".") == "localhost":
+        return {"127.0.0.1", "::1"}
+    try:
+        return {str(ipaddress.ip_address(host))}  # (one spelling: ::0001 is ::1)
+    except ValueError:
+        return {host.lower()}
 
 
 def _text_or_none(value: object) -> str | None:
@@ -916,10 +931,10 @@ def _cross_problems(data: dict[str, Any]) -> list[tuple[Loc, str]]:
         if address in taken:
             problems.append((loc, f"{address} is already used by {_path(taken[address])}"))
             continue
-        clash = next((other for other in taken if _overlap(address, other)), None)
+        clash = next(((other, why) for other in taken if (why := _overlap(address, other))), None)
         if clash is not None:
-            problems.append((loc, f"{address} overlaps {clash} of {_path(taken[clash])} (a wildcard "
-                                  "address takes its port on every address of its family)"))
+            other, why = clash
+            problems.append((loc, f"{address} overlaps {other} of {_path(taken[other])} ({why})"))
             continue
         taken[address] = loc
     return problems

@@ -213,6 +213,12 @@ def test_a_missing_endpoints_file_is_waited_for(tmp_path):
     assert load(conf).clusters[0].endpoints.file == tmp_path / "users.yaml"
 
 
+@pytest.mark.parametrize("admin", ["'[::]:9090', allow_remote: true", "'127.0.0.2:9090'", "'[::1]:9090'"])
+def test_addresses_that_can_both_bind_do_not_clash(admin):
+    """127.0.0.1:9090 (the listener) next to the IPv6 wildcard, another loopback address, ::1."""
+    loads(MINIMAL.replace("clusters:", f"admin: {{listen: {admin}}}\nclusters:"), "x.yaml")
+
+
 def test_port_zero_listeners_never_clash():
     cfg = loads("""\
 listeners:
@@ -329,6 +335,9 @@ ENDPOINTS = "[127.0.0.1:9191]"
     ("clusters:", "admin: {listen: '0.0.0.0:9090', allow_remote: true}\nclusters:",
      ["2: listeners[0].listen: 127.0.0.1:9090 overlaps 0.0.0.0:9090 of admin.listen (a wildcard address "
       "takes its port on every address of its family)"]),
+    # localhost binds 127.0.0.1 (and ::1): `run` could not bind both (check-config passed it)
+    ("clusters:", "admin: {listen: 'localhost:9090'}\nclusters:",
+     ["2: listeners[0].listen: 127.0.0.1:9090 overlaps localhost:9090 of admin.listen (both bind 127.0.0.1)"]),
     ("clusters:", "listner: 1\nclusters:", ["4: listner: unknown key (did you mean 'listeners'?)"]),
     ("name: users\n", "name: users\n    limits: {max_pending: 0}\n",
      ["6: clusters[0].limits.max_pending: must be at least 1: a call waits while its connection is "
