@@ -15,8 +15,11 @@ discovery (integers >= 1).
   drawn, so an idle cluster is served in proportion to weights).
 - peak_ewma: the same P2C over cost = peak-sensitive latency EWMA ×
   (1 + outstanding / weight), as in Finagle and linkerd (`proxy.ewma`) with
-  the load taken per unit of weight; two idle endpoints of equal latency tie,
-  so weights keep their meaning at low load too.
+  the load taken per unit of weight; a failure (a refused connect, a reset)
+  is charged as a penalty sample, not measured as fast. Two idle endpoints of
+  equal latency tie (the first drawn, by weight, wins), but measured latencies
+  are rarely equal: at low load the faster endpoint takes most calls, whatever
+  the weights, which then only weigh the draw and the load.
 
 Weights and P2C: candidates are drawn by weight, loads compared per unit of
 weight, so an idle cluster is served exactly in proportion to weights and a

@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 def _connect_hooks(endpoint: Endpoint):
     """A pool's connects, as its endpoint sees them: one in progress is load (`outstanding`, what
     least_request and peak_ewma weigh: a connect that hangs, to a blackholed address, must not
-    look idle), and one that failed is the endpoint's failure, counted by its breaker here and
-    only here, whether or not the call that wanted it still waits (a per-try or route timeout
+    look idle), and one that failed is the endpoint's failure, counted by its breaker (and as a
+    penalty in its latency estimate, peak_ewma's) here and only here, whether or not the call that wanted it still waits (a per-try or route timeout
     shorter than connect_timeout gives up first, blaming nobody). So is a connection whose TLS
     the server refused after oneways went out on it (`refused`): no call is there to be told."""
     def start() -> None:
@@ -56,6 +56,10 @@ def _connect_hooks(endpoint: Endpoint):
     def refused() -> None:  # (also a connection whose TLS the server refused: a connect that failed, late)
         if endpoint.breaker is not None:
             endpoint.breaker.record(False, 0)
+        # peak_ewma's estimate: a connect refused at once must not make the endpoint look fast
+        # (never measured, it would cost 0 and win every draw it is in: with the breakers
+        # ignored in a panic, nearly every call went to the dead endpoints)
+        endpoint.ewma.fail()
 
     return start, end, refused
 

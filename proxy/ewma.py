@@ -8,6 +8,9 @@
                    being outstanding requests (per unit of weight); an endpoint with no
                    sample yet costs 0 while idle and `penalty + load` once it has work (it is
                    tried, but not flooded).
+    fail():        a failure that measured nothing (a connect refused at once) is a sample of
+                   `penalty`: the endpoint is avoided, and probed again as that decays (as
+                   Finagle's and linkerd's balancers charge a failure, not reward its speed).
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ class PeakEwmaEstimator:
         else:
             self.value = decayed + rtt * (1 - w)
         self.stamp = now
+
+    def fail(self) -> None:
+        self.observe(self.penalty)
 
     def estimate(self) -> float:
         """The latency estimate now (seconds); 0 before the first sample."""

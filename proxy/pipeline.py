@@ -636,14 +636,16 @@ class Pipeline:
             if call is not None and call.cluster.tracks_latency:
                 took = (attempt.t_reply or monotonic_ns()) - attempt.t_sent - attempt.held_ns
                 attempt.endpoint.ewma.observe(took / 1e9)
+        if not blame:
+            verdict = None
+        elif outcome is calls.SUCCESS:
+            verdict = True
+        else:
+            verdict = classify_for_breaker(outcome, endpoint_fault)
+            if verdict is False and outcome is not calls.TIMEOUT:  # (a timeout's time is observed above)
+                attempt.endpoint.ewma.fail()  # (peak_ewma: a connection reset at once must not look fast)
         breaker = attempt.endpoint.breaker
         if breaker is not None:
-            if not blame:
-                verdict = None
-            elif outcome is calls.SUCCESS:
-                verdict = True
-            else:
-                verdict = classify_for_breaker(outcome, endpoint_fault)
             if verdict is None:
                 breaker.release(attempt.probe)
             else:

@@ -162,6 +162,16 @@ def test_peak_ewma_avoids_a_slow_endpoint():
     assert counts[eps[2]] / 10_000 < 0.05, counts
 
 
+def test_a_failure_costs_the_penalty_then_decays():
+    clock = ManualClock()
+    e = PeakEwmaEstimator(clock, tau=10.0, penalty=1.0)
+    e.observe(0.002)
+    e.fail()                             # a connect refused at once: not a fast sample
+    assert e.cost(0) == 1.0
+    clock.advance(50.0)                  # avoided, then probed again as it decays (e^-5)
+    assert e.estimate() == pytest.approx(1.0 * 0.0067379, rel=1e-4)
+
+
 def test_ewma_jumps_on_a_peak_and_decays_with_time():
     clock = ManualClock()
     e = PeakEwmaEstimator(clock, tau=10.0)

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from harness import Proxy, ThriftServer, client, wait_for
+from thrift.Thrift import TApplicationException
 
 pytestmark = pytest.mark.slow
 
@@ -217,6 +218,35 @@ def test_slow_upstream_share(lb):
     finally:
         for u in ups:
             u.stop()
+
+
+def test_peak_ewma_does_not_favour_endpoints_that_refuse_connects():
+    """Two of three endpoints refuse every connect; their breakers open at the first failure and
+    the cluster panics (more than half open), so picks ignore the breakers. A refused connect is a failure, not a
+    fast sample: peak_ewma must charge it (as Finagle's and linkerd's do), and the live endpoint
+    wins every draw it is in. Before: the dead endpoints were never measured, cost 0 and won
+    every draw (299 of 300 calls failed, where round_robin fails 200)."""
+    a, d1, d2 = (ThriftServer(name=n) for n in ("A", "D1", "D2"))
+    d1.stop()
+    d2.stop()
+    try:
+        eps = f"[{a.address}, {d1.address}, {d2.address}]"
+        clusters = cluster_yaml("c", eps, "peak_ewma") + "    circuit_breaker: {consecutive_failures: 1}\n"
+        with Proxy(proxy_yaml("      - cluster: c", clusters)) as p:
+            failed = 0
+            with client(p.port()) as c:
+                for _ in range(300):
+                    try:
+                        c.lookup("k")
+                    except TApplicationException:
+                        failed += 1
+            assert p.call(lambda: p.server.clusters["c"].panicking)
+        print(f"failed {failed}/300, served by A {a.handler.calls}")
+        # a draw of two dead endpoints (1 in 3) fails; every other draw goes to A
+        assert failed < 150, failed
+        assert a.handler.calls == 300 - failed
+    finally:
+        a.stop()
 
 
 # -- discovery under load -----------------------------------------------------------------------
