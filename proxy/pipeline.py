@@ -596,7 +596,7 @@ class Pipeline:
             outcome = calls.TIMEOUT if error.timeout else calls.MAY_HAVE_RUN
         else:
             outcome = calls.NOT_SENT
-        self._end_attempt(attempt, outcome, error.endpoint_fault)
+        self._end_attempt(attempt, outcome, error.endpoint_fault, not error.own_limit)
         call = attempt.call
         if not error.written and call.written:  # written (maybe a streaming request's first part),
             # yet it reached no service (a TLS refusal): the call "may have run" only if an
@@ -604,7 +604,11 @@ class Pipeline:
             call.written = any(a.t_written and a.outcome != calls.NOT_SENT for a in call.attempts)
         if call.cancelled or attempt is not call.attempt:
             return
-        if self._retry(call, attempt, outcome, None):
+        if error.own_limit:
+            policy = self._policy(call.route)
+            if policy is not None and attempt.number < policy.attempts:
+                call.no_retry = "not retried: another attempt's reply would be as large"
+        elif self._retry(call, attempt, outcome, None):
             return
         self._give_up(call, error, outcome)
 
@@ -621,7 +625,7 @@ class Pipeline:
                      blame: bool = True) -> None:
         """Record an attempt's outcome once: breaker, limits, timers. `blame` False: how it ended
         says nothing about the endpoint whatever the outcome (the client went, or its request
-        was cut; a oneway, only written): the breaker only releases its probe slot, if any."""
+        was cut; a oneway, only written; a reply refused for the proxy's own max_reply_size): the breaker only releases its probe slot, if any."""
         if attempt.ended:
             return
         attempt.ended = True

@@ -105,7 +105,8 @@ log = logging.getLogger(__name__)
 class UpstreamError(Exception):
     """An attempt failed; `written` says whether any request byte reached the socket."""
 
-    def __init__(self, message: str, written: bool, timeout: bool = False, endpoint_fault: bool = True) -> None:
+    def __init__(self, message: str, written: bool, timeout: bool = False, endpoint_fault: bool = True,
+                 own_limit: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.written = written
@@ -114,6 +115,9 @@ class UpstreamError(Exception):
         # failure was already counted against the endpoint's breaker (a failed connect: the pool
         # reports it itself, proxy.cluster): breakers ignore it here.
         self.endpoint_fault = endpoint_fault
+        # The proxy's own limit refused what the endpoint did as asked (a reply over max_reply_size):
+        # no breaker counts it, and it is never retried (another attempt would fail the same way).
+        self.own_limit = own_limit
 
 
 class Exchange:
@@ -697,8 +701,17 @@ class UpstreamConnection(asyncio.Protocol):
         self._fail(UpstreamError(f"bad reply from {self.label}: {why}", written=True))
 
     def _fail_garbage(self, e: ProtocolError) -> None:
-        """A reply the codec cannot read, said in the reply's terms."""
+        """A reply the codec cannot read, said in the reply's terms. One that answers the call
+        and is refused for its size alone (`max_reply_size`) is the proxy's limit and the call's
+        doing, not the endpoint's fault: no breaker counts it, and no retry would fare better
+        (as a client calling a method no server has cannot eject the endpoints)."""
         why = e.message.removeprefix("bad request: ").replace("max_frame_size", "max_reply_size")
+        ex, head = self.exchange_, e.head
+        if (e.over_limit and head is not None and ex is not None
+                and (head.type == M_REPLY or head.type == M_EXCEPTION) and answers(ex, head.seqid, head.type, head.name)):
+            self._fail(UpstreamError(f"reply from {self.label} too large: {why} (the proxy's limit: the "
+                                     "cluster's max_reply_size)", written=True, own_limit=True))
+            return
         self._fail(UpstreamError(f"bad reply from {self.label}: {why}", written=True))
 
     def _fail(self, error: UpstreamError) -> None:

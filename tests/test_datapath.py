@@ -448,6 +448,41 @@ def test_a_deflated_reply_reframed_for_the_client_inflates_up_to_max_reply_size(
         up.close()
 
 
+def test_a_reply_over_max_reply_size_is_not_the_endpoints_fault():
+    """A client asks for a reply larger than the cluster's max_reply_size (200,000 bytes): each
+    such call fails ("may have run", it ran) with a message naming the proxy's limit, is not
+    retried on the route that retries (another endpoint's reply would be as large), and opens
+    no breaker: a client asking too much cannot eject healthy endpoints (as one calling a method
+    no server has cannot). Before: 10 such calls opened both breakers, and another client's
+    call then failed with "no endpoint available"."""
+    a, b = ThriftServer(name="A"), ThriftServer(name="B")
+    routes = ("      - cluster: up\n        retry: {attempts: 3, idempotent: true, "
+              "backoff: {base: 1ms, max: 2ms}}")
+    try:
+        text = config_text([a.address, b.address], lb="round_robin",
+                           extra_cluster="\n    max_reply_size: 200000\n    circuit_breaker: {max_open_percent: 100}")
+        with Proxy(text.replace("      - cluster: up", routes)) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            for _ in range(10):
+                with client(p.port()) as c:
+                    with pytest.raises(TApplicationException) as info:
+                        c.get_users(5000, 0)
+                    assert info.value.message.startswith("thrift-sidecar: may have run: reply from "), info.value.message
+                    assert "exceeds max_reply_size 200000 (the proxy's limit" in info.value.message
+            with client(p.port()) as c:
+                assert c.lookup("k").endswith(":k")
+            states = p.call(lambda: [ep.breaker.seen_state().value for ep in p.server.clusters["up"].endpoints])
+            assert states == ["closed", "closed"], states
+            time.sleep(0.1)
+        big = [call for call in done if call.msg.name == "get_users"]
+        assert len(big) == 10 and all(len(call.attempts) == 1 for call in big), [len(c.attempts) for c in big]
+        assert a.handler.calls + b.handler.calls == 11
+    finally:
+        a.stop()
+        b.stop()
+
+
 @pytest.mark.parametrize("limit", [None, 1_000_000], ids=["default_limit", "max_frame_size_1MB"])
 def test_deflated_request_inflating_past_the_limit_is_refused(limit):
     """A small zlib THeader frame that would inflate past max_frame_size when re-framed: refused

@@ -520,7 +520,7 @@ class Decoder:
             raise ProtocolError(f"bad request: invalid frame length {length}", head=head)
         raise ProtocolError(
             f"bad request: frame of {length} bytes exceeds max_frame_size {self.max_frame_size}",
-            head=head)
+            head=head, over_limit=True)
 
     def _peek_head(self, buf, start: int, end: int, framing: Framing | None = None) -> Head | None:
         """Best effort: the head of a message we refuse, to address the error reply.
@@ -728,7 +728,7 @@ class Decoder:
             if r is None:
                 if end >= limit:
                     raise ProtocolError(
-                        f"bad request: message exceeds max_frame_size {self.max_frame_size}")
+                        f"bad request: message exceeds max_frame_size {self.max_frame_size}", over_limit=True)
                 return None
             name, mtype, seqid, body = r
             self._head = head = (name, mtype, seqid, body - off)
@@ -746,7 +746,7 @@ class Decoder:
             if end >= limit or scanner.reach > limit:
                 raise ProtocolError(
                     f"bad request: message exceeds max_frame_size {self.max_frame_size}",
-                    head=Head(head[0], head[1], head[2], Framing.BUFFERED, protocol))
+                    head=Head(head[0], head[1], head[2], Framing.BUFFERED, protocol), over_limit=True)
             if off and scanner.pos == end and off > _COMPACT_AT:
                 # Keep the buffer from growing behind a long message: rebase positions.
                 del buf[:off]

@@ -36,9 +36,13 @@ class ProtocolError(Exception):
         head: Head | None = None,
         close: bool = True,
         header_protocol: Protocol | None = None,
+        over_limit: bool = False,
     ) -> None:
         super().__init__(message)
         self.message = message
+        # The message is larger than the reader's limit (max_frame_size / max_reply_size): maybe
+        # well-formed, refused for its size alone.
+        self.over_limit = over_limit
         self.app_type = app_type
         self.head = head
         self.close = close
