@@ -43,7 +43,7 @@ class Call:
                  "outcome", "attempt", "attempts", "written", "cancelled", "backoffs",
                  "t_start", "t_framed", "t_admitted", "t_done", "t_write", "t_handed", "t_acked", "never_read",
                  "streamed", "client_paused_ns", "upstream_wait_ns", "reply_size", "loop_lag_ns",
-                 "trace", "timer", "deadline", "deadline_what", "credited_ns", "retry_timer", "holds_request", "result_field", "waited",
+                 "trace", "timer", "deadline", "deadline_what", "client_cut", "credited_ns", "retry_timer", "holds_request", "result_field", "waited",
                  "_req_framing", "_req_data", "upload", "no_retry", "req_held", "kept_size")
 
     def __init__(self, conn, msg, t_start: int, t_framed: int, pipeline=None) -> None:
@@ -81,6 +81,7 @@ class Call:
         self.timer = None                   # route deadline handle
         self.deadline = 0.0                 # loop time of the route deadline (0 = none)
         self.deadline_what = ""             # which deadline, as the client hears it ("route timeout 2000ms")
+        self.client_cut = False             # the deadline is the client's own, under the route timeout
         self.credited_ns = 0                # client pauses the deadline has moved by (Pipeline._credit_pauses)
         self.retry_timer = None             # backoff before the next attempt
         self.holds_request = False          # counted in the cluster's max_requests

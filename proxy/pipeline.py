@@ -168,6 +168,10 @@ class Pipeline:
             if client_ms:
                 cap = _client_timeout(client_ms)
                 if cap > 0 and (timeout <= 0 or cap < timeout):
+                    # A client's deadline under the route's is its own choice: its passing says
+                    # nothing the route's bound would, and no breaker counts it. With no route
+                    # timeout it is the only bound there is, and counts as the route's would.
+                    call.client_cut = timeout > 0
                     timeout = cap
                     capped = True
         if timeout > 0 and not call.oneway:
@@ -854,7 +858,8 @@ class Pipeline:
             a = call.attempt
             if a is not None and not a.ended:
                 error = self._stop_attempt(a, what)
-                self._drop_attempt(a, error.message, calls.TIMEOUT if error.written else calls.NOT_SENT)
+                self._drop_attempt(a, error.message, calls.TIMEOUT if error.written else calls.NOT_SENT,
+                                   blame=not call.client_cut)
             else:
                 error = UpstreamError(f"{what} passed", written=call.written, timeout=True)
         self._give_up(call, error, calls.TIMEOUT if call.written else calls.NOT_SENT)

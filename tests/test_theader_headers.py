@@ -174,3 +174,41 @@ def test_the_client_timeout_sent_upstream_is_the_attempts_per_try_timeout_when_s
         assert _call(p.port(), _request({})).type == 2
     got = upstream.handler.seen[-1]
     assert 1 <= int(got[b"client_timeout"]) <= 300, got
+
+
+@pytest.mark.parametrize("route_timeout, counted", [("2s", False), (None, True)], ids=["under_the_route_timeout", "no_route_timeout"])
+def test_a_clients_own_client_timeout_counts_against_the_breaker_only_without_a_route_timeout(route_timeout, counted):
+    """A client sending THeader client_timeout 50 ms on a 300 ms call, 6 times, on two healthy
+    endpoints (breakers open at 2 consecutive failures; max_open_percent 100: no panic). Under a
+    route timeout of 2 s, the client's shorter deadline is its own choice: no breaker counts it,
+    and another client's call goes through. With no route timeout, the client's deadline is the
+    only bound there is and counts as the route's would. Before: both breakers opened either way,
+    and the patient client got "no endpoint available"."""
+    from thrift.Thrift import TApplicationException
+
+    from harness import Proxy, ThriftServer, client
+
+    a, b = ThriftServer(framing="header", name="A"), ThriftServer(framing="header", name="B")
+    text = config_text([a.address, b.address], transport="header", lb="round_robin",
+                       extra_cluster="\n    circuit_breaker: {consecutive_failures: 2, max_open_percent: 100}")
+    if route_timeout:
+        text = text.replace("      - cluster: up", f"      - cluster: up\n        timeout: {route_timeout}")
+    try:
+        with Proxy(text) as p:
+            for _ in range(6):
+                with client(p.port(), framing="header", headers={"client_timeout": "50"}) as c:
+                    with pytest.raises(TApplicationException) as info:
+                        c.sleep(300)
+                    message = info.value.message
+                    assert "the client's THeader client_timeout 50ms" in message or (
+                        counted and "no endpoint available" in message), message  # (once both opened)
+            opened = p.call(lambda: [ep.breaker.opened_total for ep in p.server.clusters["up"].endpoints])
+            if counted:
+                assert all(opened), opened
+            else:
+                assert opened == [0, 0], opened
+                with client(p.port(), framing="header") as c:
+                    assert c.sleep(10) == 10
+    finally:
+        a.stop()
+        b.stop()
