@@ -148,14 +148,18 @@ class HealthChecker:
         return self.task
 
     async def _run(self) -> None:
+        """A round every `interval` from the start of the last (or at once after one that took
+        longer: a check's timeout over the interval)."""
+        loop = asyncio.get_running_loop()
         try:
             while True:
+                start = loop.time()
                 try:
                     await self._round()
                 except Exception:  # a bug here must not end health checking for the cluster, silently
                     log.exception("health checks of cluster %s: round failed; next round in %gs",
                                   self.cluster.name, self.interval)
-                await asyncio.sleep(self.interval)
+                await asyncio.sleep(max(0.0, start + self.interval - loop.time()))
         finally:  # (the server waits for this task only: first checks end with it)
             if self._first:
                 await asyncio.gather(*self._first, return_exceptions=True)
@@ -165,19 +169,27 @@ class HealthChecker:
         return check_once(ep.host, ep.port, self.method, self.cluster.framing, self.cluster.protocol,
                           self.timeout, self._seqid, self.cluster.ssl, self.cluster.server_name or ep.host)
 
-    async def _check_first(self, ep) -> None:
+    async def _checked(self, ep):
+        """One check's result for `_record`: None, a reason, or what the check raised (a bug in
+        check_once: still this endpoint's failed check, the others' stand)."""
         try:
-            why = await self._check(ep)
-        except Exception as e:  # noqa: BLE001 - as in a round: this endpoint's failed check
-            why = e
+            return await self._check(ep)
+        except Exception as e:  # noqa: BLE001 - _record logs it
+            return e
+
+    async def _check_first(self, ep) -> None:
+        why = await self._checked(ep)
         if ep.pending and not ep.removed:  # (a round may have answered first)
             self._record(ep, why)
 
     async def _round(self) -> None:
-        eps = list(self.cluster.endpoints)
-        results = await asyncio.gather(*(self._check(ep) for ep in eps), return_exceptions=True)
-        for ep, why in zip(eps, results):
-            self._record(ep, why)
+        """Every endpoint checked at once, each result recorded as it comes: a hung endpoint's
+        check (its whole timeout) holds back no other endpoint's (a passing first check lets its
+        endpoint in at once, not when the slowest check of the round ends)."""
+        await asyncio.gather(*(self._check_recorded(ep) for ep in list(self.cluster.endpoints)))
+
+    async def _check_recorded(self, ep) -> None:
+        self._record(ep, await self._checked(ep))
 
     def _record(self, ep, why) -> None:
         """One check's result: None (passed), a reason, or what the check raised."""

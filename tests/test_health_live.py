@@ -453,3 +453,41 @@ def test_check_seqids_wrap_within_an_i32(protocol):
             assert 1 <= checker._seqid < 100
     finally:
         up.stop()
+
+
+def test_a_hung_endpoint_s_check_holds_back_no_other_endpoint_s_result():
+    """Three endpoints: one accepts and never answers, one is live, one refuses. With checks
+    every 2 s and a 2 s timeout, the live endpoint is in (and the refusing one out) as soon as
+    their own checks answer, not when the hung one's times out; and the next round starts an
+    interval after the last one started, not after its slowest check. Before: all three stayed
+    pending for 2 s (results recorded once the round's slowest check ended; calls went to the
+    hung one meanwhile), and rounds came every 4 s."""
+    class Hung(RawUpstream):
+        def _one(self, c) -> None:
+            with contextlib.suppress(OSError):
+                while c.recv(4096):
+                    pass
+
+    hung, live = Hung(), ThriftServer()
+    refused = f"127.0.0.1:{free_port()}"
+    try:
+        text = cfg([hung.address, live.address, refused]).replace(
+            "interval: 200ms, timeout: 200ms", "interval: 2s, timeout: 2s")
+        with Proxy(text) as p:
+            eps = {ep.label: ep for ep in p.server.clusters["up"].endpoints}
+            t0 = time.monotonic()
+            wait_for(lambda: p.call(lambda: not eps[live.address].pending and not eps[refused].pending), 1.9,
+                     "the live and the refusing endpoints' first checks")
+            took = time.monotonic() - t0
+            assert p.call(lambda: (eps[live.address].healthy, eps[refused].healthy, eps[hung.address].pending)) \
+                == (True, False, True)
+            checks = p.call(lambda: p.server.clusters["up"].checker.stats["checks"])
+            time.sleep(2.6)
+            # by ~2.7 s: the hung one's first check timed out (2 s), and the second round (2 s)
+            # checked the live and the refusing ones again
+            more = p.call(lambda: p.server.clusters["up"].checker.stats["checks"]) - checks
+        print(f"live in after {took:.2f} s; {more} checks in 2.6 s")
+        assert more >= 3, more
+    finally:
+        hung.close()
+        live.stop()

@@ -258,8 +258,9 @@ def test_a_rebuilt_cluster_keeps_what_its_health_checks_knew():
         return p.call(lambda: {ep.label: ep.healthy for ep in p.server.clusters["up"].endpoints})
     try:
         with Proxy(text("250ms")) as p:
-            wait_for(lambda: health() == {up.address: True, dead: False}, timeout=5,
-                     what="the first checker to take the silent endpoint out")
+            wait_for(lambda: health() == {up.address: True, dead: False} and p.call(
+                lambda: not any(ep.pending for ep in p.server.clusters["up"].endpoints)), timeout=5,
+                what="the first checker to take the silent endpoint out (its check timed out)")
             old = p.call(lambda: p.server.clusters["up"])
             checks = p.call(lambda: dict(p.server.health["up"].stats))
             assert _apply(p, text("300ms"))
