@@ -509,6 +509,11 @@ class Listener(_Model):
     backlog: Annotated[int, Strict(), Field(ge=1, le=65535)] = 1024  # (the kernel caps it at somaxconn)
     request_read_timeout: Duration = 30.0  # a started request must arrive within this; 0 = none
     idle_timeout: Duration = 0.0  # no call in flight, no byte either way for this long: closed; 0 = keep idle client connections
+    # calls one client connection may have open (pipelined) before the proxy stops reading it, and
+    # the bytes their requests may hold (kept for retries until each is answered); one call
+    # always may be open, however large
+    max_inflight: Annotated[int, Strict(), Field(ge=1, le=100_000)] = 128
+    max_inflight_bytes: Annotated[Size, Field(ge=1)] = 16 * 1024 * 1024
     oneway_methods: tuple[Text, ...] = ()
     routes: Annotated[tuple[Route, ...], BeforeValidator(_not_empty_list)]  # first match wins
 

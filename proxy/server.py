@@ -353,7 +353,8 @@ class Server:
         return ListenerSettings(
             name=lc.name, framing=_framing(lc.transport), protocol=_protocol(lc.protocol),
             max_frame_size=lc.max_frame_size, max_connections=lc.max_connections,
-            request_read_timeout=lc.request_read_timeout, idle_timeout=lc.idle_timeout)
+            request_read_timeout=lc.request_read_timeout, idle_timeout=lc.idle_timeout,
+            max_inflight=lc.max_inflight, max_inflight_bytes=lc.max_inflight_bytes)
 
     def _pipeline(self, lc: cfgmod.Listener, config: cfgmod.Config | None = None) -> Pipeline:
         """The listener's request path; ValueError naming the listener if its IDL is unusable or

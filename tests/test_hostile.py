@@ -698,6 +698,35 @@ def test_requests_of_unanswered_calls_hold_at_most_max_inflight_bytes():
         up.close()
 
 
+@pytest.mark.parametrize("setting, size, most", [("max_inflight: 3", 10, 3), ("max_inflight_bytes: 2MiB", 900_000, 3)])
+def test_max_inflight_and_max_inflight_bytes_are_the_listener_s_config(setting, size, most):
+    """The listener keys bound what one client connection has open: 20 pipelined calls to an
+    upstream that never answers reach it only `most` at a time (3 calls; or 2 MiB of 900 KB
+    requests: the third goes over, and one always may be open)."""
+    from harness import Proxy, RawUpstream, config_text
+
+    class Silent(RawUpstream):
+        def _one(self, c: socket.socket) -> None:
+            for _ in self.requests(c):
+                pass
+
+    up = Silent()
+    try:
+        text = config_text([up.address], extra_listener=f"\n    {setting}").replace(
+            "    load_balancer", "    connect_timeout: 5s\n    load_balancer")
+        with Proxy(text) as p:
+            reqs = b"".join(request_bytes("framed", "binary", "lookup", "k" * size, seqid=i) for i in range(20))
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                threading.Thread(target=_send_quietly, args=(s, reqs), daemon=True).start()
+                deadline = time.monotonic() + 10
+                while up.calls < most and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                time.sleep(0.5)  # (more would come by now, were it reading on)
+                assert up.calls == most, up.calls
+    finally:
+        up.close()
+
+
 # == exposure ======================================================================================
 
 
