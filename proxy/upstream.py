@@ -705,7 +705,12 @@ class UpstreamConnection(asyncio.Protocol):
         and is refused for its size alone (`max_reply_size`) is the proxy's limit and the call's
         doing, not the endpoint's fault: no breaker counts it, and no retry would fare better
         (as a client calling a method no server has cannot eject the endpoints)."""
-        why = e.message.removeprefix("bad request: ").replace("max_frame_size", "max_reply_size")
+        why = e.message.removeprefix("bad request: ").replace("max_frame_size", "max_reply_size").replace(
+            # (the codec's hints are worded for requests, and the listener's settings)
+            "(an unversioned message needs protocol binary_nonstrict)",
+            "(not strict binary: does the endpoint speak the cluster's transport and protocol? one "
+            "that sends unversioned binary needs protocol binary_nonstrict)").replace(
+            "set the listener's transport", "set the cluster's transport")
         ex, head = self.exchange_, e.head
         if (e.over_limit and head is not None and ex is not None
                 and (head.type == M_REPLY or head.type == M_EXCEPTION) and answers(ex, head.seqid, head.type, head.name)):

@@ -66,6 +66,8 @@ class FaultUpstream(RawUpstream):
             c.sendall(struct.pack("!i", 12) + b"\xde\xad\xbe\xef" * 3)
         elif mode == "http":
             c.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+        elif mode == "text":  # a frame of text: no version word
+            c.sendall(struct.pack("!i", 16) + b"hello, world!!!!")
         elif mode == "echo_request":  # the request's own bytes (a CALL) sent back
             c.sendall(hdr + req)
         elif mode == "wrong_seqid":
@@ -183,6 +185,9 @@ def upstream():
 FAULTS = [
     ("garbage", "bad reply from 127.0.0.1:"),
     ("http", "bad reply from 127.0.0.1:"),
+    # (the codec's hint, worded for the cluster: it was the listener's binary_nonstrict)
+    ("text", "bad binary protocol version 0x68656c6c (not strict binary: does the endpoint speak the "
+             "cluster's transport and protocol?"),
     ("wrong_seqid", "seqid 8 does not match the request's 7"),
     ("wrong_name", "method 'get_users' does not match the request's 'lookup'"),
     ("call_type", "bad reply from 127.0.0.1:"),
