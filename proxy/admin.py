@@ -118,6 +118,9 @@ class _BadRequests(logging.Filter):
 
 
 ALL = {"/ready", "/live", "/metrics", "/stats", "/config"}
+# Seconds a stop waits for admin requests in progress (then cancels them; aiohttp's own default,
+# 60 s, twice, let one client that never reads its replies hold the process up two minutes).
+SHUTDOWN_TIMEOUT = 0.5
 HEALTH = {"/ready", "/live"}
 METRICS = {"/metrics"}
 
@@ -135,7 +138,7 @@ class AdminServer:
     async def start(self, kind: str, host: str, port: int) -> tuple[str, int]:
         endpoints = {"admin": ALL, "health": HEALTH, "metrics": METRICS}[kind]
         runner = web.AppRunner(_app(self.sources, endpoints), access_log=None, handle_signals=False,
-                                logger=http_log)
+                                logger=http_log, shutdown_timeout=SHUTDOWN_TIMEOUT)
         await runner.setup()
         site = web.TCPSite(runner, host, port, reuse_address=True)
         await site.start()

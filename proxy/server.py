@@ -301,6 +301,7 @@ class Server:
         self._read_lock = asyncio.Lock()  # held by `reload` around reading the file and `apply`
         self._watch: asyncio.Task | None = None
         self._stop = asyncio.Event()
+        self._reloads_ignored = 0  # reloads asked for while draining (logged once)
         self._hurry = asyncio.Event()  # a second signal: exit without waiting for anything more
         self.owns_logging = False      # the process's logging is ours to reconfigure on reload
         # Retired by a reload and still used: listeners' states with connections open, clusters
@@ -490,7 +491,10 @@ class Server:
 
     async def _reload(self) -> bool:
         if self.draining:
-            log.warning("reload of %s ignored: the proxy is draining to stop", self.path)
+            self._reloads_ignored += 1
+            if self._reloads_ignored == 1:  # (once: a reloader may send a SIGHUP a millisecond)
+                log.warning("reload of %s ignored: the proxy is draining to stop (and any more "
+                            "until it stops)", self.path)
             return False
         try:
             config = await _in_own_thread(lambda: cfgmod.load(self.path, again=True), RELOAD_READ_TIMEOUT)
@@ -847,10 +851,22 @@ class Server:
             await asyncio.wait(self._checks_ending, timeout=1.0)
         self.lag.stop()
         splice.close_idle_pipes()
-        if self.admin is not None:
-            await self.admin.close()
         if self.telemetry is not None and self._own_telemetry:  # spans flushed with a bounded timeout
             await self._flush_spans()
+        if self.admin is not None:
+            await self._close_admin()
+
+    async def _close_admin(self) -> None:
+        """Close the admin server (its requests in progress get admin.SHUTDOWN_TIMEOUT), unless a
+        second signal came (before or during): then at once."""
+        if self._hurry.is_set():
+            return
+        close = self.loop.create_task(self.admin.close())
+        hurry = self.loop.create_task(self._hurry.wait())
+        await asyncio.wait((close, hurry), return_when=asyncio.FIRST_COMPLETED)
+        hurry.cancel()
+        if not close.done():
+            close.cancel()
 
     async def _flush_spans(self) -> None:
         """Export queued spans within SPAN_FLUSH_TIMEOUT, unless a second signal came (before or
@@ -937,6 +953,19 @@ def setup_logging(cfg: cfgmod.Logging) -> None:
     root.setLevel(level)
 
 
+def _ignore_hups(loop: asyncio.AbstractEventLoop) -> None:
+    """From the stop on, SIGHUP is ignored. The loop's handler would go with the loop, and
+    SIGHUP's default action then ended the process by a signal in the middle of a clean stop (a
+    config reloader that sends SIGHUPs while the pod terminates). Blocked meanwhile: one that
+    comes between the two calls is dropped, not taken with the default action."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+    try:
+        loop.remove_signal_handler(signal.SIGHUP)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
+
+
 async def serve(config: cfgmod.Config, path: str | None = None, owns_logging: bool = False,
                 early_hups: list | None = None) -> int:
     """Run until stopped; ListenError (after cleaning up) if an address cannot be listened on.
@@ -959,6 +988,7 @@ async def serve(config: cfgmod.Config, path: str | None = None, owns_logging: bo
     try:
         await server.wait_stopped()
     finally:
+        _ignore_hups(loop)
         await server.close()
     log.info("stopped")
     return 0

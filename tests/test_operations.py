@@ -10,6 +10,7 @@ import time
 import urllib.error
 import urllib.request
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from thrift.Thrift import TApplicationException
 
@@ -136,6 +137,76 @@ def test_drain_finishes_started_calls_serves_new_ones_ready_503_exit_0():
     assert errors == [] and len(results) == 5
     assert rc == 0
     assert elapsed < 8  # within drain_timeout
+
+
+@pytest.mark.parametrize("signals", [1, 2])
+def test_an_admin_client_that_never_reads_holds_up_no_stop(signals):
+    """An admin client pipelines 2,000 GET /config with a 4 KB receive buffer and reads
+    nothing. A stop still ends within drain_timeout (1 s) and the admin server's short shutdown
+    bound; a second signal ends it at once. Before: aiohttp's default shutdown_timeout (60 s,
+    twice) held the process 122 s, past drain_timeout and past the second signal (found by the
+    lifecycle hunt)."""
+    import socket
+
+    up = ThriftServer()
+    port, admin = free_ports(2)
+    text = _config(port, up.address, admin).replace("drain_timeout: 8s", "drain_timeout: 1s")
+    assert "drain_timeout: 1s" in text
+    try:
+        with ProxyProcess(text, [port, admin]) as p:
+            with socket.create_connection(("127.0.0.1", admin)) as a:
+                a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                a.sendall(b"GET /config HTTP/1.1\r\nHost: x\r\n\r\n" * 2000)
+                time.sleep(0.5)
+                t0 = time.monotonic()
+                p.proc.send_signal(signal.SIGTERM)
+                if signals == 2:
+                    time.sleep(0.5)
+                    p.proc.send_signal(signal.SIGTERM)
+                rc = p.proc.wait(30)
+                elapsed = time.monotonic() - t0
+    finally:
+        up.stop()
+    print(f"exit {rc} after {elapsed:.1f} s")
+    assert rc == 0
+    assert elapsed < (5.0 if signals == 1 else 2.5), elapsed
+
+
+def test_sighups_during_a_stop_are_ignored_and_the_exit_is_clean():
+    """SIGTERM with a call in flight, then a SIGHUP every 2 ms until the process is gone (a
+    config reloader while the pod terminates): the call gets its reply, the exit code is 0, and
+    the log says once that reloads are ignored. Before: a SIGHUP after the loop closed ended the
+    process by the signal (returncode -1), and the drain logged one line per SIGHUP (found by the
+    lifecycle hunt)."""
+    import socket
+
+    from harness import read_messages, request_bytes
+
+    up = ThriftServer()
+    port = free_port()
+    text = _config(port, up.address).replace("drain_timeout: 8s", "drain_timeout: 3s")
+    try:
+        with ProxyProcess(text, [port]) as p:
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(request_bytes("framed", "binary", "sleep", 800, seqid=42))
+                time.sleep(0.2)
+                p.proc.send_signal(signal.SIGTERM)
+                t0 = time.monotonic()
+                rc = None
+                while rc is None and time.monotonic() - t0 < 15:
+                    try:
+                        p.proc.send_signal(signal.SIGHUP)
+                    except ProcessLookupError:
+                        pass
+                    time.sleep(0.002)
+                    rc = p.proc.poll()
+                (reply,) = read_messages(s, 1)
+            log = p.output()
+    finally:
+        up.stop()
+    assert (reply.seqid, reply.type) == (42, 2)
+    assert rc == 0, (rc, log[-2000:])
+    assert log.count("ignored: the proxy is draining to stop") == 1, log[-3000:]
 
 
 def test_calls_cut_by_the_drain_deadline_are_answered_and_not_blamed_on_the_client(tmp_path):
