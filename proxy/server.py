@@ -455,7 +455,7 @@ class Server:
         if cfg.admin is None and cfg.metrics_listen is None:
             return
         self.admin = AdminServer(AdminSources(ready=lambda: self.ready and not self.draining,
-                                              stats=self.snapshot, config=lambda: self.config.effective(),
+                                              stats=self.snapshot, config=lambda: self.config,
                                               metrics=self.metrics.exposition_async))
         sites = []
         if cfg.admin is not None:

@@ -68,3 +68,62 @@ def test_a_dict_that_grows_while_it_is_formatted_is_no_error():
 
     text = asyncio.run(grow_meanwhile())
     assert "new" in live and json.loads(text)["live"] == live
+
+
+def _big_config(clusters: int):
+    from proxy import config
+
+    routes = "".join(f"      - match: {{method: m{i}}}\n        cluster: c{i}\n" for i in range(clusters))
+    eps = "".join(f"  - name: c{i}\n    endpoints: [127.0.0.1:{10000 + i}, 127.0.0.1:{20000 + i}]\n"
+                  for i in range(clusters))
+    return config.loads("listeners:\n  - name: l\n    listen: 127.0.0.1:0\n    routes:\n" + routes
+                        + "      - cluster: c0\nclusters:\n" + eps, "big.yaml")
+
+
+def test_config_text_is_made_once_per_config_off_the_loop():
+    """/config for 1,000 clusters (~300 ms of pydantic's dump and json.dumps): made in a thread,
+    the loop's longest gap well under that; made once per config in effect (the second request
+    takes no thread), and anew for another config. Before: every request made it on the loop
+    (the lifecycle hunt: a 250 ms stall of every call per /config poll)."""
+    import time
+
+    from proxy.admin import ConfigText
+
+    big, small = _big_config(1000), _big_config(2)
+    current = [big]
+    made = ConfigText(lambda: current[0])
+
+    async def gaps(make):
+        longest, done = 0.0, False
+
+        async def ticker():
+            nonlocal longest
+            last = time.perf_counter()
+            while not done:
+                await asyncio.sleep(0)
+                now = time.perf_counter()
+                longest = max(longest, now - last)
+                last = now
+
+        t = asyncio.ensure_future(ticker())
+        await asyncio.sleep(0)
+        t0 = time.perf_counter()
+        text = await make()
+        took = time.perf_counter() - t0
+        done = True
+        await t
+        return text, longest, took
+
+    async def main():
+        first = await gaps(made.text)
+        again = await gaps(made.text)
+        current[0] = small
+        other = await made.text()
+        return first, again, other
+
+    (text, longest, took), (text2, _, took2), other = asyncio.run(main())
+    print(f"first {took * 1000:.0f} ms (longest loop gap {longest * 1000:.1f} ms), again {took2 * 1000:.2f} ms")
+    assert text == json.dumps(big.effective(), indent=2, default=str) + "\n"
+    assert text2 is text
+    assert longest < max(0.1, took / 3), (longest, took)
+    assert json.loads(other) == small.effective()
