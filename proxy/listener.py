@@ -34,6 +34,7 @@ from proxy.codec.message import Message
 from proxy.codec.wire import F_BUFFERED, F_FRAMED, M_CALL, M_ONEWAY
 from proxy import splice
 from proxy.calls import BAD_REQUEST, NOT_DELIVERED, NOT_SENT, TIMEOUT, Call, Upload
+from proxy.logs import Throttle
 from proxy.pipeline import PREFIX
 from proxy.sockets import sent_bytes, set_nodelay, unread_bytes, unsent_bytes
 
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 LINGER = 2.0  # seconds a closing connection keeps reading (and discarding) so its reply is read
 ACK_POLL_FIRST = 0.001  # then doubling, up to ACK_POLL_MAX, while a reply is not acknowledged
 ACK_POLL_MAX = 0.01
+NOTE_EVERY = 10.0  # seconds between two lines of one kind about clients' doings (ListenerState.notes)
 STALL_LOOKS = 4  # looks per request_read_timeout at a client whose reading holds our writing back
 WAITING_REPLY_BUDGET = 16 << 20  # bytes of large replies read whole while they wait behind a client's
                                  # earlier calls; past it they wait unread (take_turn)
@@ -92,6 +94,9 @@ class ListenerState:
         self.connections: set[ClientConnection] = set()
         self.stats = {"accepted": 0, "refused": 0, "protocol_errors": 0, "read_timeouts": 0,
                       "idle_closed": 0, "write_stalls": 0}
+        # lines about clients' doings (bad requests, write stalls, refusals), thinned per kind: a
+        # client that reconnects per call with the wrong framing is one line per NOTE_EVERY
+        self.notes = Throttle(NOTE_EVERY)
 
     def protocol_factory(self) -> "ClientConnection":
         return ClientConnection(self)
@@ -152,6 +157,8 @@ class ClientConnection(asyncio.Protocol):
         self.transport = transport
         if len(state.connections) >= state.settings.max_connections:
             state.stats["refused"] += 1
+            state.notes.warn(log, "refused", "listener %s has max_connections %d open: refusing new connections",
+                             state.settings.name, state.settings.max_connections)
             self.closing = True
             transport.abort()
             return
@@ -460,7 +467,8 @@ class ClientConnection(asyncio.Protocol):
         request would begin cannot be known; framed: its struct does not fill its frame). Its
         upstream connection, holding part of it, is closed: the upstream never has it whole."""
         self.state.stats["protocol_errors"] += 1
-        log.info("client %s on listener %s: %s", self.peer, self.settings.name, e.message)
+        self.state.notes.log(log, logging.INFO, "protocol_error", "client %s on listener %s: %s", self.peer,
+                             self.settings.name, e.message)
         self._upload_broken(e.message)
 
     def _upload_broken(self, text: str, outcome=None) -> None:
@@ -620,8 +628,9 @@ class ClientConnection(asyncio.Protocol):
             self._stall_timer = self.state.loop.call_later(timeout / STALL_LOOKS, self._write_stall)
             return
         self.state.stats["write_stalls"] += 1
-        log.info("client %s on listener %s read no reply byte for %gs (%d bytes waiting): closing",
-                 self.peer, self.settings.name, timeout, self.transport.get_write_buffer_size())
+        self.state.notes.log(log, logging.INFO, "write_stall",
+                             "client %s on listener %s read no reply byte for %gs (%d bytes waiting): closing",
+                             self.peer, self.settings.name, timeout, self.transport.get_write_buffer_size())
         self._closed_why = f"the client read no reply byte for {timeout:g}s (write stall: closed by the proxy)"
         self.transport.abort()
 
@@ -982,7 +991,8 @@ class ClientConnection(asyncio.Protocol):
                 head = None
         if head is None and dec.framing is not None and dec.protocol is not None:
             head = Head("", MessageType.CALL, 0, dec.framing, dec.protocol)
-        log.info("client %s on listener %s: %s", self.peer, self.settings.name, e.message)
+        self.state.notes.log(log, logging.INFO, "protocol_error", "client %s on listener %s: %s", self.peer,
+                             self.settings.name, e.message)
         if head is not None:
             # Its head, when it could be read (e.g. a frame over max_frame_size), names the call in
             # metrics and spans as in the client's answer: method and seqid, not `_INVALID`.

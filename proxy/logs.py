@@ -58,14 +58,20 @@ class Throttle:
 
     def warn(self, logger: logging.Logger, key: Hashable, msg: str, *args) -> None:
         """`logger.warning(msg, *args)`, if `key`'s line may go out now (`admit`)."""
+        self.log(logger, logging.WARNING, key, msg, *args)
+
+    def log(self, logger: logging.Logger, level: int, key: Hashable, msg: str, *args) -> None:
+        """`logger.log(level, msg, *args)`, if `key`'s line may go out now (`admit`)."""
+        if not logger.isEnabledFor(level):
+            return
         self._words[key] = (msg, args)
         held = self.admit(key)
         if held is None:
             return
         if held:
-            logger.warning(msg + " (and %d more like it since the last such line)", *args, held)
+            logger.log(level, msg + " (and %d more like it since the last such line)", *args, held)
         else:
-            logger.warning(msg, *args)
+            logger.log(level, msg, *args)
 
 
 MAX_MESSAGE = 4096  # characters of a log line's message; the rest is cut, and counted

@@ -795,11 +795,11 @@ class Pipeline:
             call.outcome = outcome
             call.error = f"may have run: {why} (while streaming the reply; client connection closed)"
             call.error_type = outcome
-            log.warning("call %s: %s", call.msg.name, call.error)
+            self.warnings.warn(log, "stream_failed", "call %s: %s", call.msg.name, call.error)
         else:
             call.error = f"not delivered: {why} (while its reply streamed)"
             call.error_type = calls.NOT_DELIVERED
-            log.info("call %s: %s", call.msg.name, call.error)
+            self.warnings.log(log, logging.INFO, "stream_not_delivered", "call %s: %s", call.msg.name, call.error)
         self._release_call(call)
         call.conn.stream_abort(call)
 

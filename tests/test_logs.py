@@ -110,3 +110,46 @@ clusters:
         out = p.output()
     assert not any(ln.startswith("2024-01-01") for ln in out.splitlines()), out
     assert out.count("oneway call ev\\x0a2024-01-01 00:00:00,000 CRITICAL proxy: FORGED on listener test") == 1, out
+
+
+def test_clients_bad_requests_and_refusals_are_thinned_per_kind():
+    """300 connections each sending 6 bytes of a request and closing (a client with the wrong
+    framing that reconnects per call), then 50 more over max_connections: one line each kind in
+    the burst, where there was a line per connection (10,300 lines, 1.6 MB in 7 s: the lifecycle
+    hunt), and refusals had none at all. The counters still count each."""
+    import socket
+
+    from harness import ProxyProcess, free_port
+
+    port = free_port()
+    text = f"""
+logging: {{format: text, level: info}}
+listeners:
+  - name: test
+    service: TestService
+    listen: 127.0.0.1:{port}
+    max_connections: 3
+    routes:
+      - cluster: up
+clusters:
+  - name: up
+    endpoints: [127.0.0.1:9]
+"""
+    with ProxyProcess(text, [port]) as p:
+        for _ in range(300):
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(b"\x00\x00\x00\x20\x80\x01")
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        time.sleep(0.3)
+        for _ in range(50):
+            try:
+                with socket.create_connection(("127.0.0.1", port)) as s:
+                    s.recv(1)
+            except OSError:
+                pass
+        for s in held:
+            s.close()
+        time.sleep(0.3)
+        out = p.output()
+    assert out.count("connection closed inside a message") == 1, out[-3000:]
+    assert out.count("has max_connections 3 open: refusing new connections") == 1, out[-3000:]
