@@ -994,6 +994,27 @@ async def serve(config: cfgmod.Config, path: str | None = None, owns_logging: bo
     return 0
 
 
+FD_SPARE = 64  # descriptors beyond sockets: the config, logs, span file, splice pipes, the loop's own
+
+
+def fd_limit_note(config: cfgmod.Config, soft: int) -> str | None:
+    """A warning when the open-file limit is below what `config` may use: every listener's
+    `max_connections`, and each cluster's pool `max_connections` per endpoint (a discovered
+    cluster counted as one endpoint). Past the limit, the kernel still completes a client's
+    connect and the event loop (libuv) closes it unanswered, with nothing said in the log: so
+    say it at the start."""
+    need = FD_SPARE + sum(lc.max_connections for lc in config.listeners)
+    for c in config.clusters:
+        endpoints = len(c.endpoints.static) if c.endpoints.static is not None else 1
+        need += c.pool.max_connections * endpoints
+    if soft >= need:
+        return None
+    return (f"the open-file limit ({soft}) is below what the config may use ({need}: the listeners' "
+            "max_connections, the pools' max_connections per endpoint, and some spare): past it, new "
+            "client connections are closed unanswered and connects fail; raise the limit (ulimit -n, "
+            "LimitNOFILE, the container's nofile) or lower max_connections")
+
+
 def run_from_file(path: str, early_hups: list | None = None) -> int:
     try:
         config = cfgmod.load(path)
@@ -1002,7 +1023,10 @@ def run_from_file(path: str, early_hups: list | None = None) -> int:
             print(line, file=sys.stderr)
         return 2
     setup_logging(config.logging)
-    raise_nofile_limit()
+    soft, _ = raise_nofile_limit()
+    note = fd_limit_note(config, soft)
+    if note:
+        log.warning("%s", note)
     try:
         return run(config, path, owns_logging=True, early_hups=early_hups)
     except StartError as e:  # said like a config error: FILE:LINE: key: message

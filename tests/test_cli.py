@@ -275,3 +275,40 @@ def test_version_is_the_installed_package_s():
     from importlib.metadata import version
     r = _cli("--version")
     assert r.returncode == 0 and r.stdout == f"thrift-sidecar {version('thrift-sidecar')}\n", r
+
+
+def test_an_open_file_limit_below_what_the_config_may_use_is_said_at_the_start(tmp_path):
+    """Run under a 200-descriptor limit with the default max_connections (10,000): the start says
+    the limit is too low and what to do. Past it, libuv closes new client connections unanswered
+    and nothing reaches the proxy's code: before, the log never said why clients were reset (the
+    lifecycle hunt). With enough descriptors for the config, nothing is said."""
+    import resource
+
+    from proxy import config as cfgmod
+    from proxy.server import fd_limit_note
+
+    up = ThriftServer()
+    port = free_port()
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(config_text([up.address], listen_port=port))
+    small = cfgmod.loads(config_text([up.address]).replace("    routes", "    max_connections: 100\n    routes"))
+    assert fd_limit_note(small, 100 + 64 + 64) is None  # the listener's 100, the pool's 64, the spare
+    assert fd_limit_note(small, 100 + 64 + 63) is not None
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200))
+
+    proc = subprocess.Popen([sys.executable, "-m", "proxy", "run", "-c", str(cfg)], cwd=ROOT, preexec_fn=limit,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not listening(port) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        up.stop()
+    assert "the open-file limit (200) is below what the config may use (10128:" in out, out
+    assert proc.returncode == 0
