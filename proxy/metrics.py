@@ -55,8 +55,20 @@ at without changing anything: no breaker goes half-open because it was scraped):
     thrift_sidecar_retries_total{cluster}                     counter: retries made
     thrift_sidecar_retries_refused_total{cluster,reason}      counter: retries not made: `budget`
         (the retry budget was spent), `limit` (max_retries in flight)
+    thrift_sidecar_cluster_overflow_total{cluster,limit}      counter: calls or retries the cluster's
+        `limits` refused: `requests` (max_requests in flight), `pending` (max_pending waiting for a
+        connection), `retries` (max_retries in flight)
 
 (The counters go on across a reload that rebuilds a cluster.)
+
+Per listener, read when scraped (`watch_listeners`; a listener a reload removed is gone from the page):
+
+    thrift_sidecar_client_connections{listener}               gauge: client connections open
+    thrift_sidecar_listener_connections_total{listener,result} counter: `accepted`, `refused`
+        (max_connections open: closed at once, unanswered)
+    thrift_sidecar_listener_events_total{listener,event}      counter: `protocol_error` (a bad request),
+        `read_timeout` (request_read_timeout), `idle_closed` (idle_timeout), `write_stall` (a client
+        that read no reply byte for request_read_timeout: closed)
 
 A (service, method) label set is one series whichever listener its calls came through (two
 listeners that both take a multiplexed `Svc:method` count in the same one: Prometheus leaves a
@@ -435,6 +447,7 @@ class _ClusterRow(NamedTuple):
     refused_budget: int
     refused_limit: int
     checks: tuple[int, int] | None  # (passed, failed); None: not health-checked
+    overflow: dict  # the limits' refusals by kind (requests, pending, retries)
 
 
 def _cluster_rows(clusters: Iterable) -> list[_ClusterRow]:
@@ -454,9 +467,12 @@ def _cluster_rows(clusters: Iterable) -> list[_ClusterRow]:
         if checker is not None:
             st = checker.stats
             checks = (st["checks"] - st["failures"], st["failures"])
+        limits = cluster.limits
+        overflow = dict(limits.overflow) if limits is not None else dict.fromkeys(OVERFLOWS, 0)
         rows.append(_ClusterRow(cluster.name, states, cluster.snapshot_panicking(), busy, idle, connecting,
                                 stats.get("breaker_transitions", 0), stats["retries"],
-                                stats["retries_refused_budget"], stats["retries_refused_limit"], checks))
+                                stats["retries_refused_budget"], stats["retries_refused_limit"], checks,
+                                overflow))
     return rows
 
 
@@ -524,8 +540,45 @@ def _refused_family(rows: list[_ClusterRow]):
     return f
 
 
+OVERFLOWS = ("requests", "pending", "retries")
+
+
+def _overflow_family(rows: list[_ClusterRow]):
+    f = CounterMetricFamily("thrift_sidecar_cluster_overflow",
+                            "Calls or retries the cluster's limits refused: max_requests in flight, "
+                            "max_pending waiting for a connection, max_retries in flight.",
+                            labels=("cluster", "limit"))
+    for r in rows:
+        for kind in OVERFLOWS:
+            f.add_metric((r.name, kind), r.overflow.get(kind, 0))
+    return f
+
+
 _CLUSTER_FAMILIES = (_endpoints_family, _panicking_family, _connections_family, _transitions_family,
-                     _checks_family, _retries_family, _refused_family)
+                     _checks_family, _retries_family, _refused_family, _overflow_family)
+
+LISTENER_EVENTS = (("protocol_error", "protocol_errors"), ("read_timeout", "read_timeouts"),
+                   ("idle_closed", "idle_closed"), ("write_stall", "write_stalls"))
+
+
+def _listener_families(listeners: Iterable) -> list:
+    """`listeners`: (name, ListenerState) pairs, as they are now."""
+    rows = [(name, len(state.connections), dict(state.stats)) for name, state in listeners]
+    open_ = GaugeMetricFamily("thrift_sidecar_client_connections", "Client connections open.",
+                              labels=("listener",))
+    made = CounterMetricFamily("thrift_sidecar_listener_connections",
+                               "Client connections accepted, or refused at max_connections (closed unanswered).",
+                               labels=("listener", "result"))
+    events = CounterMetricFamily("thrift_sidecar_listener_events",
+                                 "Client connections' bad requests, request_read_timeout and idle_timeout "
+                                 "closes, and write stalls.", labels=("listener", "event"))
+    for name, n, stats in rows:
+        open_.add_metric((name,), n)
+        made.add_metric((name, "accepted"), stats["accepted"])
+        made.add_metric((name, "refused"), stats["refused"])
+        for event, key in LISTENER_EVENTS:
+            events.add_metric((name, event), stats[key])
+    return [open_, made, events]
 _CLUSTERS_PER_PIECE = PIECE_LINES // len(ENDPOINT_STATES)  # (the most lines a cluster has in a family)
 
 
@@ -561,6 +614,7 @@ class _Collector:
             yield build(stats)
         yield from _export_families(self.metrics.export_queue)
         yield from _cluster_families(self.metrics.clusters())
+        yield from _listener_families(self.metrics.listeners())
 
 
 class Metrics:
@@ -573,6 +627,7 @@ class Metrics:
         self.labels = LabelSets()  # every service's label sets, each once
         self.export_queue = None  # anything with .dropped, .failed, .size, .capacity
         self.clusters: Callable[[], Iterable] = tuple  # (Cluster, HealthChecker | None) pairs, now
+        self.listeners: Callable[[], Iterable] = tuple  # (name, ListenerState) pairs, now
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
 
@@ -587,6 +642,10 @@ class Metrics:
 
     def watch_exporter(self, queue) -> None:
         self.export_queue = queue
+
+    def watch_listeners(self, listeners: Callable[[], Iterable]) -> None:
+        """`listeners()`: the current (name, ListenerState) pairs, asked at each scrape."""
+        self.listeners = listeners
 
     def watch_clusters(self, clusters: Callable[[], Iterable]) -> None:
         """`clusters()`: the current (Cluster, HealthChecker | None) pairs, asked at each scrape."""
@@ -613,10 +672,12 @@ class Metrics:
             if chunk or first:
                 yield _format(build(chunk), first)
         rows = _cluster_rows(self.clusters())  # (read at once: pieces of one moment)
+        listeners = _listener_families(self.listeners())
         yield generate_latest(_Families(_export_families(self.export_queue)))
         for build in _CLUSTER_FAMILIES:  # (a family's lines stay together: chunks within it)
             for i in range(0, max(len(rows), 1), _CLUSTERS_PER_PIECE):
                 yield _format(build(rows[i:i + _CLUSTERS_PER_PIECE]), i == 0)
+        yield generate_latest(_Families(listeners))
 
     def exposition(self) -> bytes:
         """The Prometheus text page (built now, from the buckets)."""

@@ -284,6 +284,7 @@ class Server:
         # knew of their endpoints' health is carried over).
         self._shown: dict[str, Cluster] = {}
         self.metrics.watch_clusters(lambda: [(c, self.health.get(name)) for name, c in self._shown.items()])
+        self.metrics.watch_listeners(lambda: list(self.listeners.items()))
         self.lag = LoopLagMonitor(self.loop)
         self.admin: AdminServer | None = None
         self.clusters: dict[str, Cluster] = {}
@@ -338,6 +339,8 @@ class Server:
             resilience.attach(cluster, c, monotonic)
             if old is not None:  # its counters go on (also what calls still on the old one add)
                 cluster.stats = old.stats
+                if old.limits is not None and cluster.limits is not None:
+                    cluster.limits.overflow = old.limits.overflow
             if (old is not None and old.discovery is not None and cluster.discovery is not None
                     and _same_source(self._cluster_cfg[c.name].endpoints, c.endpoints)):
                 cluster.discovery.inherit(old.discovery)  # (its last good set)

@@ -557,3 +557,63 @@ def test_an_attempt_that_never_got_a_connection_has_its_acquire_sample(record):
     assert retried["service_time"][0] == 1 and retried["backoff"] == (1, fx.ms(50))
     assert _metric_hops(record, fx.call_gone_while_waiting()) == {"read_request": (1, fx.ms(0.1)),
                                                                   "acquire": (1, fx.ms(200))}
+
+
+def test_listener_and_limit_refusals_are_on_the_page():
+    """What an overloaded proxy refuses shows in /metrics, not only /stats: a listener at
+    max_connections (3) refusing a fourth connection, a bad request, and a cluster's max_pending
+    (1) refusing the third of three calls that would wait for its one pooled connection. Before: none of these had
+    a series (the lifecycle hunt), and they blurred into calls_total{outcome="not_sent"}."""
+    import socket
+    import threading
+
+    from thrift.Thrift import TApplicationException
+
+    from harness import Proxy, ThriftServer, client, config_text
+
+    up = ThriftServer()
+    up.handler.sleep_ms = 300
+    text = config_text([up.address], extra_listener="\n    max_connections: 3",
+                       extra_cluster="\n    pool: {max_connections: 1}\n    limits: {max_pending: 1}")
+    refused = []
+    try:
+        with Proxy(text) as p:
+            def call() -> None:
+                try:
+                    with client(p.port()) as c:
+                        c.lookup("k")
+                except TApplicationException as e:
+                    refused.append(e.message)
+
+            held = [socket.create_connection(("127.0.0.1", p.port())) for _ in range(3)]
+            time.sleep(0.1)
+            with socket.create_connection(("127.0.0.1", p.port())) as s:  # the fourth: refused
+                s.settimeout(5)
+                try:
+                    assert s.recv(1) == b""
+                except ConnectionResetError:
+                    pass
+            for h in held:
+                h.close()
+            time.sleep(0.1)
+            threads = [threading.Thread(target=call) for _ in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(10)
+            with socket.create_connection(("127.0.0.1", p.port())) as s:  # a bad request
+                s.sendall(b"\x00\x00\x00\x05hello")
+                s.settimeout(5)
+                s.recv(4096)
+            time.sleep(0.1)
+            page = p.call(lambda: p.server.metrics.exposition()).decode()
+    finally:
+        up.stop()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(page) for s in f.samples}
+    assert samples[("thrift_sidecar_listener_connections_total", (("listener", "test"), ("result", "refused")))] >= 1
+    assert samples[("thrift_sidecar_listener_connections_total", (("listener", "test"), ("result", "accepted")))] >= 3
+    assert samples[("thrift_sidecar_listener_events_total", (("event", "protocol_error"), ("listener", "test")))] == 1
+    assert ("thrift_sidecar_client_connections", (("listener", "test"),)) in samples
+    pending = samples[("thrift_sidecar_cluster_overflow_total", (("cluster", "up"), ("limit", "pending")))]
+    assert pending >= 1 and pending == sum("max_pending" in m for m in refused), (pending, refused)
