@@ -662,20 +662,27 @@ def test_pipelined_calls_answered_behind_a_slow_one_let_their_requests_go(guard)
         assert all(r.type == MessageType.REPLY for r in replies), [r for r in replies if r.type != MessageType.REPLY]
 
 
-def test_requests_of_unanswered_calls_hold_at_most_max_inflight_bytes():
-    """An upstream that never answers, and a client that pipelines 60 calls with a 900 KB
-    request each (54 MB): the proxy reads on only while its open calls' requests hold under
-    max_inflight_bytes (16 MiB; one call always may be open), the rest waiting in the client's
-    socket. Before: all 60 read and held (only max_inflight, 128 calls, bounded a connection:
-    128 x retry_buffer = 128 MiB)."""
-    from harness import Proxy, RawUpstream, config_text
+def _silent_upstream():
+    """An upstream that reads every request and never answers."""
+    from harness import RawUpstream
 
     class Silent(RawUpstream):
         def _one(self, c: socket.socket) -> None:
             for _ in self.requests(c):
                 pass
 
-    up = Silent()
+    return Silent()
+
+
+def test_requests_of_unanswered_calls_hold_at_most_max_inflight_bytes():
+    """An upstream that never answers, and a client that pipelines 60 calls with a 900 KB
+    request each (54 MB): the proxy reads on only while its open calls' requests hold under
+    max_inflight_bytes (16 MiB; one call always may be open), the rest waiting in the client's
+    socket. Before: all 60 read and held (only max_inflight, 128 calls, bounded a connection:
+    128 x retry_buffer = 128 MiB)."""
+    from harness import Proxy, config_text
+
+    up = _silent_upstream()
     try:
         # (a connect that timed out under load would answer its call and free its bytes)
         text = config_text([up.address]).replace("    load_balancer", "    connect_timeout: 5s\n    load_balancer")
@@ -703,14 +710,9 @@ def test_max_inflight_and_max_inflight_bytes_are_the_listener_s_config(setting, 
     """The listener keys bound what one client connection has open: 20 pipelined calls to an
     upstream that never answers reach it only `most` at a time (3 calls; or 2 MiB of 900 KB
     requests: the third goes over, and one always may be open)."""
-    from harness import Proxy, RawUpstream, config_text
+    from harness import Proxy, config_text
 
-    class Silent(RawUpstream):
-        def _one(self, c: socket.socket) -> None:
-            for _ in self.requests(c):
-                pass
-
-    up = Silent()
+    up = _silent_upstream()
     try:
         text = config_text([up.address], extra_listener=f"\n    {setting}").replace(
             "    load_balancer", "    connect_timeout: 5s\n    load_balancer")
