@@ -42,8 +42,9 @@ def _connect_hooks(endpoint: Endpoint):
     """A pool's connects, as its endpoint sees them: one in progress is load (`outstanding`, what
     least_request and peak_ewma weigh: a connect that hangs, to a blackholed address, must not
     look idle), and one that failed is the endpoint's failure, counted by its breaker (and as a
-    penalty in its latency estimate, peak_ewma's) here and only here, whether or not the call that wanted it still waits (a per-try or route timeout
-    shorter than connect_timeout gives up first, blaming nobody). So is a connection whose TLS
+    penalty in its latency estimate, peak_ewma's) here and only here, whether or not the call
+    that wanted it still waits (a per-try or route timeout shorter than connect_timeout gives up
+    first, blaming nobody). So is a connection whose TLS
     the server refused after oneways went out on it (`refused`): no call is there to be told."""
     def start() -> None:
         endpoint.outstanding += 1

@@ -650,8 +650,11 @@ class Pipeline:
             verdict = True
         else:
             verdict = classify_for_breaker(outcome, endpoint_fault)
-            if verdict is False and outcome is not calls.TIMEOUT:  # (a timeout's time is observed above)
-                attempt.endpoint.ewma.fail()  # (peak_ewma: a connection reset at once must not look fast)
+            if verdict is False and (outcome is calls.MAY_HAVE_RUN or outcome is calls.NOT_SENT):
+                # peak_ewma: a connection reset or garbage at once must not look fast (a timeout's
+                # time is observed above; a server's TApplicationException is an answer, its
+                # latency measured as any reply's)
+                attempt.endpoint.ewma.fail()
         breaker = attempt.endpoint.breaker
         if breaker is not None:
             if verdict is None:
