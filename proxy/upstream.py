@@ -179,7 +179,10 @@ def answers(ex: Exchange, seqid: int, mtype: int, name: str) -> bool:
     if seqid != ex.seqid or (mtype != M_REPLY and mtype != M_EXCEPTION):
         return False
     sent = ex.name
-    return name == sent or _bare(name) == _bare(sent) or (not name and mtype == M_EXCEPTION)
+    # (`_bare(sent)`: a multiplexed processor, or strip_service, removed only the service's
+    # prefix: `Svc:a:b` is answered as `a:b`, whose own `_bare` would be `b`)
+    return (name == sent or name == _bare(sent) or _bare(name) == _bare(sent)
+            or (not name and mtype == M_EXCEPTION))
 
 
 def _bare(name: str) -> str:

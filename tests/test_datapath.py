@@ -400,6 +400,34 @@ def test_strip_service_forwards_bare_names_to_a_plain_server(framing, protocol):
         up.stop()
 
 
+@pytest.mark.parametrize("strip", [True, False], ids=["strip_service", "multiplexed_upstream"])
+def test_a_method_name_with_a_colon_after_the_service_is_answered_by_the_upstream(strip):
+    """`TestService:a:b`: the upstream (a plain server after strip_service, or a multiplexed
+    processor) answers UNKNOWN_METHOD named `a:b`, which answers the call: the client gets that
+    answer, six times, and no breaker counts it (a client calling a method no server has cannot
+    eject the endpoints). Before: the reply was refused as another method's ("may have run: bad
+    reply ... 'a:b' does not match"), each call counted against the endpoint, and its breaker
+    opened (the protocol-matrix hunt)."""
+    up = ThriftServer(multiplexed=not strip)
+    route = "\n        strip_service: true" if strip else ""
+    text = config_text([up.address]).replace("      - cluster: up", "      - cluster: up" + route)
+    try:
+        with Proxy(text) as p:
+            for i in range(6):
+                with socket.create_connection(("127.0.0.1", p.port())) as s:
+                    name = b"TestService:a:b"  # (a raw call: no generated client has such a method)
+                    body = struct.pack("!Ii", 0x80010001, len(name)) + name + struct.pack("!i", 40 + i) + b"\x00"
+                    s.sendall(struct.pack("!i", len(body)) + body)
+                    (m,) = read_messages(s, 1, timeout=5)
+                x = app_exception(m)
+                assert (m.seqid, x.type) == (40 + i, TApplicationException.UNKNOWN_METHOD), x.message
+                assert "a:b" in x.message and "thrift-sidecar" not in x.message, x.message
+            states = p.call(lambda: [ep.breaker.seen_state().value for ep in p.server.clusters["up"].endpoints])
+            assert states == ["closed"], states
+    finally:
+        up.stop()
+
+
 class _ZlibReplies(RawUpstream):
     """A THeader upstream answering every `echo` with a zlib reply of `size` zero bytes."""
 
