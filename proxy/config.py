@@ -840,8 +840,9 @@ def _overlap(a: Address, b: Address) -> str | None:
     if same:
         return f"both bind {', '.join(sorted(same))}"
     for wild, other in ((a, b), (b, a)):
-        if (wild.host == "0.0.0.0" and ":" not in other.host) or (
-                wild.host == "::" and (":" in other.host or other.host.lower().rstrip(".") == "localhost")):
+        hosts = _bound_hosts(other.host)
+        if (wild.host == "0.0.0.0" and any(":" not in h for h in hosts)) or (
+                wild.host == "::" and any(":" in h for h in hosts)):
             return "a wildcard address takes its port on every address of its family"
     return None
 

@@ -40,7 +40,7 @@ import struct
 
 from proxy.codec import Decoder, Framing, Message, MessageType, Protocol, ProtocolError
 from proxy.codec.wire import M_EXCEPTION, M_REPLY
-from proxy.codec.heads import peek_result_field, read_head
+from proxy.codec.heads import SET_LISTENER_TRANSPORT, UNVERSIONED_HINT, peek_result_field, read_head
 from proxy.codec.stream import UnframedStream
 from proxy.codec.theader import parse_header_block
 from proxy import splice
@@ -183,6 +183,14 @@ def answers(ex: Exchange, seqid: int, mtype: int, name: str) -> bool:
     # prefix: `Svc:a:b` is answered as `a:b`, whose own `_bare` would be `b`)
     return (name == sent or name == _bare(sent) or _bare(name) == _bare(sent)
             or (not name and mtype == M_EXCEPTION))
+
+
+def reply_terms(message: str) -> str:
+    """The codec's error text, worded for requests and the listener's settings, said of a reply."""
+    return message.removeprefix("bad request: ").replace("max_frame_size", "max_reply_size").replace(
+        UNVERSIONED_HINT, "(not strict binary: does the endpoint speak the cluster's transport and "
+                          "protocol? one that sends unversioned binary needs protocol binary_nonstrict)").replace(
+        SET_LISTENER_TRANSPORT, "set the cluster's transport")
 
 
 def _bare(name: str) -> str:
@@ -708,12 +716,7 @@ class UpstreamConnection(asyncio.Protocol):
         and is refused for its size alone (`max_reply_size`) is the proxy's limit and the call's
         doing, not the endpoint's fault: no breaker counts it, and no retry would fare better
         (as a client calling a method no server has cannot eject the endpoints)."""
-        why = e.message.removeprefix("bad request: ").replace("max_frame_size", "max_reply_size").replace(
-            # (the codec's hints are worded for requests, and the listener's settings)
-            "(an unversioned message needs protocol binary_nonstrict)",
-            "(not strict binary: does the endpoint speak the cluster's transport and protocol? one "
-            "that sends unversioned binary needs protocol binary_nonstrict)").replace(
-            "set the listener's transport", "set the cluster's transport")
+        why = reply_terms(e.message)
         ex, head = self.exchange_, e.head
         if (e.over_limit and head is not None and ex is not None
                 and (head.type == M_REPLY or head.type == M_EXCEPTION) and answers(ex, head.seqid, head.type, head.name)):

@@ -48,6 +48,11 @@ _I16 = struct.Struct("!h")
 MAX_NAME_LENGTH = 64 * 1024
 
 
+# The request-worded hints in read_head's bad-version errors; a reply's reader says them in its own
+# terms (proxy.upstream.reply_terms).
+UNVERSIONED_HINT = "(an unversioned message needs protocol binary_nonstrict)"
+SET_LISTENER_TRANSPORT = "set the listener's transport"
+
 def read_varint(buf, pos: int, end: int) -> tuple[int, int] | None:
     """Unsigned LEB128 varint of at most 10 bytes; None when incomplete."""
     result = 0
@@ -123,10 +128,10 @@ def _read_binary_head(buf, pos: int, end: int, nonstrict_ok: bool, any_type: boo
         if (first >> 16) & 0xFFFF == 0x0FFF:  # THeader's magic where a message was expected
             raise ProtocolError(
                 f"bad request: bad binary protocol version 0x{first & 0xFFFFFFFF:08x} (this looks like "
-                "a THeader frame: set the listener's transport to header or auto)")
+                f"a THeader frame: {SET_LISTENER_TRANSPORT} to header or auto)")
         raise ProtocolError(
             f"bad request: bad binary protocol version 0x{first & 0xFFFFFFFF:08x} "
-            "(an unversioned message needs protocol binary_nonstrict)")
+            f"{UNVERSIONED_HINT}")
     nlen = first
     if nlen > MAX_NAME_LENGTH:
         raise ProtocolError(f"bad request: bad method name length {nlen}")
