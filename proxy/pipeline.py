@@ -781,18 +781,20 @@ class Pipeline:
         self.attempt_failed(attempt, self._stop_attempt(attempt, f"per-try timeout {_ms(per_try)}"))
 
     def _stream_failed(self, attempt: Attempt, why: str, blame: bool = True,
-                       outcome: str = calls.MAY_HAVE_RUN) -> None:
+                       outcome: str = calls.MAY_HAVE_RUN, endpoint_blame: bool = True) -> None:
         """Reply bytes already went to the client: all we can do is close its connection.
         `outcome`: the attempt's and the call's (`timeout` when a deadline cut the stream, as
         for a reply read whole: metrics, spans, the breaker and peak_ewma see it so).
         `blame` False: the client's connection went (it left, or the proxy cut it as a write
         stall), which says nothing about the endpoint: the call ran and its reply, as the
         upstream's head said (`call.outcome`), is recorded not delivered, as a reply read whole
-        and then not taken is (calls.NOT_DELIVERED)."""
+        and then not taken is (calls.NOT_DELIVERED). `endpoint_blame` False: the call failed
+        as `outcome` says, but not by the endpoint's doing (the client's own shorter
+        client_timeout passed): the breaker and peak_ewma do not count it."""
         call = attempt.call
         self._off_connection(attempt)
         attempt.error = why
-        self._end_attempt(attempt, outcome, blame=blame)
+        self._end_attempt(attempt, outcome, blame=blame and endpoint_blame)
         self.stats["errors"] += 1
         if blame:
             call.outcome = outcome
@@ -853,7 +855,9 @@ class Pipeline:
             if a is not None and a.upconn is not None:
                 a.upconn.abandon()
             self.stats["timeouts"] += 1
-            self._stream_failed(a, what, outcome=calls.TIMEOUT)
+            # (the client's own shorter deadline cuts the stream, as it cuts a reply read whole:
+            # a timeout, but not the endpoint's, whose breaker and peak_ewma do not see it)
+            self._stream_failed(a, what, outcome=calls.TIMEOUT, endpoint_blame=not call.client_cut)
             return
         self.stats["timeouts"] += 1
         self._cancel_backoff(call)

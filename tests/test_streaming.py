@@ -1526,3 +1526,78 @@ def test_an_unframed_held_reply_is_read_whole_for_another_clients_call():
             assert p.server.waiting.used == 0
     finally:
         up.close()
+
+
+class StallingHeaderUpstream(RawUpstream):
+    """A THeader upstream that sends the first 200 KB of a 1 MB reply, then nothing more (the
+    connection stays open)."""
+
+    def _one(self, c: socket.socket) -> None:
+        from thrift.protocol import THeaderProtocol
+        from thrift.Thrift import TMessageType, TType
+        from thrift.transport import TTransport
+
+        from harness import HEADER_TYPES
+
+        for name, seqid in self.requests(c, framing="header"):
+            buf = TTransport.TMemoryBuffer()
+            prot = THeaderProtocol.THeaderProtocol(buf, HEADER_TYPES)
+            prot.writeMessageBegin(name.decode(), TMessageType.REPLY, seqid)
+            prot.writeStructBegin("echo_result")
+            prot.writeFieldBegin("success", TType.STRING, 0)
+            prot.writeBinary(b"s" * 1_000_000)
+            prot.writeFieldEnd()
+            prot.writeFieldStop()
+            prot.writeStructEnd()
+            prot.writeMessageEnd()
+            prot.trans.flush()
+            c.sendall(buf.getvalue()[:200_000])
+
+
+@pytest.mark.parametrize("route_timeout, counted", [("5s", False), (None, True)],
+                         ids=["under_the_route_timeout", "no_route_timeout"])
+def test_a_stream_cut_by_the_clients_own_client_timeout_counts_against_the_breaker_only_without_a_route_timeout(
+        route_timeout, counted):
+    """A THeader client's client_timeout of 300 ms cuts a streaming reply whose upstream stalls
+    after 200 KB: a timeout (the client's connection closes, as for any stream cut), recorded
+    so. Under a route timeout of 5 s the deadline was the client's own choice, so the breaker
+    (opening at one failure) does not count it, as for a reply read whole; with no route timeout
+    it is the only bound there is and counts. Before: the breaker counted it either way."""
+    from thrift.protocol import THeaderProtocol
+    from thrift.transport import TTransport
+
+    from harness import HEADER_TYPES, TestService
+
+    up = StallingHeaderUpstream()
+    text = _big_config(up.address, transport="header",
+                       extra_cluster="\n    circuit_breaker: {consecutive_failures: 1, max_open_percent: 100}")
+    if route_timeout:
+        text = text.replace("      - cluster: up", f"      - cluster: up\n        timeout: {route_timeout}")
+    buf = TTransport.TMemoryBuffer()
+    prot = THeaderProtocol.THeaderProtocol(buf, HEADER_TYPES)
+    prot.set_header(b"client_timeout", b"300")
+    c = TestService.Client(prot)
+    c._seqid = 4
+    c.send_echo(b"")
+    try:
+        with Proxy(text) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                t0 = time.monotonic()
+                s.sendall(buf.getvalue())
+                s.settimeout(5)
+                got = 0
+                while chunk := s.recv(1 << 16):
+                    got += len(chunk)
+                took = time.monotonic() - t0
+            assert 100_000 <= got < 1_000_000, got  # it streamed, then was cut
+            assert 0.25 < took < 2.5, f"closed after {took:.2f}s"
+            wait_for(lambda: done, what="the call recorded")
+            (call,) = done
+            assert call.streamed and call.outcome == call.attempts[0].outcome == "timeout", call.error
+            assert "the client's THeader client_timeout 300ms" in call.error, call.error
+            (ep,) = p.call(lambda: p.server.clusters["up"].endpoints)
+            assert p.call(lambda: ep.breaker.opened_total) == (1 if counted else 0)
+    finally:
+        up.close()
