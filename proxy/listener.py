@@ -30,6 +30,7 @@ from time import monotonic_ns
 
 from proxy.codec import Decoder, Framing, Head, MessageType, Protocol, ProtocolError, exception_reply
 from proxy.codec import AppErrorType
+from proxy.codec.heads import SET_LISTENER_TRANSPORT
 from proxy.codec.message import Message
 from proxy.codec.wire import F_BUFFERED, F_FRAMED, M_CALL, M_ONEWAY
 from proxy import splice
@@ -983,6 +984,13 @@ class ClientConnection(asyncio.Protocol):
     def _protocol_error(self, e: ProtocolError) -> None:
         self.state.stats["protocol_errors"] += 1
         dec = self.decoder
+        if self.settings.framing is None and dec.framing is not None and SET_LISTENER_TRANSPORT in e.message:
+            # An auto listener detected this connection's transport from its first request: the
+            # hint to set the listener's transport is no help there.
+            e.message = e.message.replace(
+                f"{SET_LISTENER_TRANSPORT} to header or auto",
+                f"this connection's first request was {dec.framing.value}, and a connection keeps "
+                "the transport of its first request")
         head = e.head
         if head is None and not e.whole:  # (a whole bad frame is gone: the next one's head is not its)
             try:

@@ -85,6 +85,35 @@ def test_auto_listener_detects_framing_and_protocol(framing, protocol):
         up.stop()
 
 
+@pytest.mark.parametrize("listener", ["framed", "auto"])
+def test_a_theader_frame_on_a_framed_connection_gets_a_hint_that_fits_the_listener(listener):
+    """A THeader request on a connection whose transport is framed: on a framed listener the
+    answer says to set the listener's transport to header or auto; on an auto listener, which
+    detected framed from the connection's first request, that advice would be wrong (it is
+    auto), so it says the connection keeps its first request's transport. Before: both said
+    to set it to header or auto."""
+    from harness import app_exception, read_messages, request_bytes
+
+    up = ThriftServer("framed", "binary")
+    try:
+        with Proxy(config_text([up.address], transport=listener, cluster_transport="framed")) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(request_bytes("framed", "binary", "lookup", "x", seqid=1))
+                (first,) = read_messages(s, 1, "framed", "binary")
+                assert first.seqid == 1 and first.type == MessageType.REPLY
+                s.sendall(request_bytes("header", "binary", "lookup", "y", seqid=2))  # (a length, then THeader's magic)
+                (answer,) = read_messages(s, 1, "framed", "binary")
+            assert answer.type == MessageType.EXCEPTION
+            text = app_exception(answer).message
+            assert "this looks like a THeader frame" in text, text
+            if listener == "auto":
+                assert "this connection's first request was framed" in text and "set the listener" not in text, text
+            else:
+                assert "set the listener's transport to header or auto" in text, text
+    finally:
+        up.stop()
+
+
 @pytest.mark.parametrize("client_framing,upstream_framing", [
     ("buffered", "framed"), ("framed", "buffered"), ("framed", "header"), ("header", "framed"),
     ("framed_header", "header"),
