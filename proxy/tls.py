@@ -31,7 +31,8 @@ from proxy import config as cfgmod
 
 class TlsError(Exception):
     """A TLS setting cannot be used (unreadable or mismatched files); `field` is the key
-    (`ca`, or `cert` for the cert/key pair), `detail` what is wrong with it."""
+    (`ca`, `cert` or `key` for a file that cannot be read or is not PEM of its kind, or `cert`
+    for a pair that does not go together), `detail` what is wrong with it."""
 
     def __init__(self, cluster: str, field: str, detail: str) -> None:
         super().__init__(f"cluster {cluster}: tls.{field} {detail}")
@@ -54,6 +55,10 @@ def client_context(tls: cfgmod.Tls, cluster: str = "?") -> ssl.SSLContext:
     except (OSError, ssl.SSLError) as e:
         raise TlsError(cluster, "ca", f"{tls.ca}: {_reason(e)}") from None
     if tls.cert is not None:
+        # Each file on its own first, so that the error names the one that is wrong (OpenSSL's
+        # own says "PEM lib" for either, and a missing file as the pair's).
+        _check_pem(cluster, "cert", tls.cert, _PEM_CERT, "a PEM certificate")
+        _check_pem(cluster, "key", tls.key, _PEM_KEY, "a PEM private key")
         try:
             # (a passphrase asked for: refused, never OpenSSL's prompt on the terminal, which
             # would block the process, or its event loop during a reload)
@@ -64,6 +69,23 @@ def client_context(tls: cfgmod.Tls, cluster: str = "?") -> ssl.SSLContext:
         except (OSError, ssl.SSLError) as e:
             raise TlsError(cluster, "cert", f"{tls.cert} / tls.key {tls.key}: {_reason(e)}") from None
     return ctx
+
+
+_PEM_CERT = b"-----BEGIN CERTIFICATE-----"
+_PEM_KEY = b"PRIVATE KEY-----"  # (BEGIN PRIVATE KEY, BEGIN RSA/EC/ENCRYPTED PRIVATE KEY)
+
+
+def _check_pem(cluster: str, field: str, path, marker: bytes, what: str) -> None:
+    """`path` can be read and holds `marker` (a PEM block of the right kind), else a TlsError
+    naming `field`."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise TlsError(cluster, field, f"{path}: {_reason(e)}") from None
+    if marker not in data:
+        why = "empty" if not data.strip() else f"no {marker.decode().strip('-')} block"
+        raise TlsError(cluster, field, f"{path}: not {what} ({why})")
 
 
 class _Encrypted(Exception):

@@ -335,6 +335,28 @@ def test_unusable_files_are_refused_when_the_config_is_built(pki, tmp_path):
         client_context(cluster_cfg(pki, cert="client.pem", key="server.key").tls, "c")
 
 
+def test_an_unusable_cert_or_key_file_is_named_at_its_own_key(pki, tmp_path):
+    """A missing, empty or non-PEM key is said at `tls.key`, a bad certificate at `tls.cert`,
+    each with its own file only. Before: every case was said at `tls.cert` with both files, a
+    garbage or empty file of either kind as OpenSSL's "PEM lib"."""
+    (tmp_path / "garbage").write_text("hello\n")
+    (tmp_path / "empty").write_text("")
+    cases = [
+        (dict(cert=pki / "client.pem", key=tmp_path / "nokey"), "key", "nokey: No such file or directory"),
+        (dict(cert=tmp_path / "nocert", key=pki / "client.key"), "cert", "nocert: No such file or directory"),
+        (dict(cert=pki / "client.pem", key=tmp_path / "garbage"), "key", "garbage: not a PEM private key (no PRIVATE KEY block)"),
+        (dict(cert=pki / "client.pem", key=tmp_path / "empty"), "key", "empty: not a PEM private key (empty)"),
+        (dict(cert=tmp_path / "garbage", key=pki / "client.key"), "cert", "garbage: not a PEM certificate (no BEGIN CERTIFICATE block)"),
+        (dict(cert=pki / "client.key", key=pki / "client.pem"), "cert", "client.key: not a PEM certificate (no BEGIN CERTIFICATE block)"),
+    ]
+    for tls, field, detail in cases:
+        with pytest.raises(TlsError) as e:
+            client_context(cluster_cfg(pki, **tls).tls, "c")
+        assert e.value.field == field and e.value.detail.endswith(detail), (tls, e.value)
+        other = tls["key" if field == "cert" else "cert"]
+        assert str(other) not in e.value.detail, e.value  # (only the file at fault is named)
+
+
 def test_an_encrypted_key_is_refused_not_prompted_for(pki, tmp_path):
     """OpenSSL would ask for the passphrase on the terminal (blocking start, or the event loop
     in a reload); the proxy refuses such a key, naming it."""
