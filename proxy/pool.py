@@ -255,8 +255,8 @@ class Pool:
             conn.resume_reading()
         if self.waiters and not conn.closed_by_peer() and self._serve(conn, None):
             return  # (closed by the upstream: discarded, and forget() offered its slot to the waiters)
-        if conn.closed:
-            return
+        if conn.closed or conn.settling is not None:
+            return  # (set aside until the loop read its unread TLS bytes: _settled releases it)
         if self.closed:
             conn.abandon()
             return

@@ -52,6 +52,7 @@ PROBE_MAX = 64 * 1024  # bytes gathered to read a large reply's head before deci
 SENT_WATCH_MIN = 64 * 1024  # requests this large are watched until the upstream's kernel has them
 SENT_POLL_FIRST = 0.001     # s, then doubling up to SENT_POLL_MAX
 SENT_POLL_MAX = 0.01
+SETTLE_DELAY = 0.001        # s: a TLS connection with bytes unread is lent again after this (closed_by_peer)
 
 WAIT_TURN = "wait_turn"  # Exchange.start_stream: stream it, but only once the call is first in line
 
@@ -201,7 +202,7 @@ class UpstreamConnection(asyncio.Protocol):
     __slots__ = ("pool", "transport", "decoder", "exchange_", "idle_since", "closed", "label", "framing",
                  "protocol", "max_reply_size", "stream_threshold", "_probe", "_stream_left", "_may_stream", "_tail",
                  "paused", "upload", "owned", "_splice", "_write_full", "_held_oneway", "fd", "_sent_poll",
-                 "turn", "turn_since", "tls13", "replied", "oneways")
+                 "turn", "turn_since", "tls13", "replied", "oneways", "settling")
 
     def __init__(self, pool, framing: Framing, protocol: Protocol, max_reply_size: int,
                  stream_threshold: int = 0) -> None:
@@ -235,6 +236,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.tls13 = False                 # TLS 1.3 (a refusal of our certificate comes after our handshake)
         self.replied = False               # a reply's first byte came on it (a refusal comes before any)
         self.oneways = 0                   # oneway calls written on it
+        self.settling = None               # TLS bytes unread when it was to be lent: the timer that
+                                           # looks again once the loop has read them (closed_by_peer)
 
     # -- asyncio.Protocol -----------------------------------------------------
 
@@ -602,13 +605,36 @@ class UpstreamConnection(asyncio.Protocol):
         """Before this pooled connection takes a call: did the upstream close it already? (Its
         FIN or reset may wait unread behind the reply just read: the transport has not said so
         yet.) Such a connection is discarded here, and a new one is to be had instead.
-        Over TLS a close is a close_notify record before the FIN, so any byte waiting unread on
-        an idle connection may be one: it is discarded too (rarely, a late session ticket)."""
-        if (self.transport.is_closing() or peer_closed(self.fd)
-                or (self.pool.ssl is not None and unread_bytes(self.fd) > 0)):
+
+        Over TLS a close is a close_notify record (or a refusal's alert) before the FIN, so any
+        byte waiting unread may be one; but it is as often a TLS 1.3 server's session tickets,
+        sent after the handshake, unread on a connection that only wrote oneways since. Such a
+        connection is set aside, not lent (True, still open): the loop reads those bytes first,
+        and `_settled` then finds it closed (a refusal counted as such by connection_lost) or
+        gives it back to the pool. Before, it was aborted: a burst of oneways over TLS 1.3 made
+        a handshake per few calls, and an alert aborted unread was never counted."""
+        if self.settling is not None:
+            return True
+        if self.transport.is_closing() or peer_closed(self.fd):
             self._discard()
             return True
+        if self.pool.ssl is not None and unread_bytes(self.fd) > 0:
+            # (a timer, not call_soon: ready callbacks run before the loop's next read)
+            self.settling = self.pool.loop.call_later(SETTLE_DELAY, self._settled)
+            return True
         return False
+
+    def _settled(self) -> None:
+        """Set aside by closed_by_peer: the loop has read what was waiting. Closed by it (a
+        close_notify, an alert) it is gone already; still holding bytes nobody reads, it is
+        discarded; else it is the pool's again, as if just released."""
+        self.settling = None
+        if self.closed:
+            return
+        if self.transport.is_closing() or peer_closed(self.fd) or unread_bytes(self.fd) > 0:
+            self._discard()
+            return
+        self.pool.release(self)
 
     def pause_writing(self) -> None:
         """The upstream is not taking a streaming request's bytes: the client waits too."""
