@@ -56,7 +56,8 @@ from thrift.protocol.THeaderProtocol import THeaderProtocol
 from thrift.protocol.TMultiplexedProtocol import TMultiplexedProtocol
 from thrift.protocol.TProtocol import TProtocolException
 from thrift.Thrift import TException
-from thrift.transport.THeaderTransport import THeaderClientType, THeaderSubprotocolID, THeaderTransport
+from thrift.transport.THeaderTransport import (HARD_MAX_FRAME_SIZE, THeaderClientType, THeaderSubprotocolID,
+                                               THeaderTransport)
 from thrift.transport.TTransport import (
     CReadableTransport,
     TBufferedTransport,
@@ -100,6 +101,22 @@ class AcceleratorWarning(RuntimeWarning):
 
 
 _warned = False  # once per process: the cause is the install or the code, not the call
+
+
+class _HeaderProtocol(THeaderProtocol):
+    """THeaderProtocol whose inner (per-frame) protocol reads strings up to a limit of ours,
+    not the library's default: it makes that protocol anew when a frame's protocol id changes."""
+
+    _string_length_limit = None
+
+    def limit_strings(self, limit: int) -> None:
+        self._string_length_limit = limit
+        self._protocol.string_length_limit = limit
+
+    def _set_protocol(self) -> None:
+        super()._set_protocol()
+        if self._string_length_limit is not None:
+            self._protocol.string_length_limit = self._string_length_limit
 
 
 def _warn_once(reason: str, stacklevel: int) -> None:
@@ -147,7 +164,7 @@ def check_accelerated(obj) -> bool:
     oprot = getattr(obj, "_oprot", obj)
     reason = _why_not_accelerated(iprot, oprot)
     if reason is not None:
-        _warn_once(reason, stacklevel=3)  # the caller of check_accelerated
+        _warn_once(reason, stacklevel=2)  # the caller of check_accelerated (_warn_once adds its own frame)
     return reason is None
 
 
@@ -287,23 +304,29 @@ class TracedClient:
         self._header_out: THeaderTransport | None = None
 
         compact = protocol == "compact"
+        # max_frame_size bounds every part the Thrift library bounds on its own too (a THeader
+        # frame either way, one string or binary value): else its defaults (16,384,000 bytes)
+        # refused what the caller allowed
         if framing == "header":
             sub = THeaderSubprotocolID.COMPACT if compact else THeaderSubprotocolID.BINARY
             self._header_out = THeaderTransport(self._outbox, (THeaderClientType.HEADERS,), sub)
-            oprot = THeaderProtocol(self._header_out, (THeaderClientType.HEADERS,), sub)
-            iprot = THeaderProtocol(self._inbox, _HEADER_READ_TYPES, sub)
+            oprot = _HeaderProtocol(self._header_out, (THeaderClientType.HEADERS,), sub)
+            iprot = _HeaderProtocol(self._inbox, _HEADER_READ_TYPES, sub)
+            for p in (oprot, iprot):
+                p.trans.set_max_frame_size(min(max_frame_size, HARD_MAX_FRAME_SIZE - 1))
+                p.limit_strings(max_frame_size)
         else:
             accelerated = TCompactProtocolAccelerated if compact else TBinaryProtocolAccelerated
             framer = TFramedTransport if framing == "framed" else TBufferedTransport
-            oprot = accelerated(framer(self._outbox))
-            iprot = accelerated(self._inbox)
+            oprot = accelerated(framer(self._outbox), string_length_limit=max_frame_size)
+            iprot = accelerated(self._inbox, string_length_limit=max_frame_size)
         if service is not None:
             oprot = TMultiplexedProtocol(oprot, service)
         self.client = client_class(iprot, oprot)
         reason = _why_not_accelerated(iprot, oprot)
         self.accelerated = reason is None
         if reason is not None:
-            _warn_once(reason, stacklevel=4)  # the caller of connect
+            _warn_once(reason, stacklevel=3)  # the caller of connect (_warn_once adds its own frame)
 
         self.service_name = service_name or service or client_class.__module__.rsplit(".", 1)[-1]
         self._tracer = tracer if tracer is not None else trace.get_tracer(

@@ -401,6 +401,14 @@ def test_check_accelerated_names_a_transport_that_is_not_c_readable(fresh_warnin
         assert check_accelerated(slow) is False
     assert len(caught) == 1 and issubclass(caught[0].category, AcceleratorWarning)
     assert "Plain is not a CReadableTransport" in str(caught[0].message)
+    # it points at the line that called check_accelerated (before: that line's caller)
+    assert (caught[0].filename, caught[0].lineno) == (__file__, _line_of("assert check_accelerated(slow) is False"))
+
+
+def _line_of(text: str) -> int:
+    """The first line of this file that holds `text`, stripped (1-based)."""
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if line.strip() == text)
 
 
 class _Interrupt(BaseException):
@@ -446,3 +454,42 @@ def test_a_connection_the_sidecar_closed_idle_is_dialled_again_not_failed_on():
             c.close()
     finally:
         server.stop()
+
+
+class _BigEchoUpstream(RawUpstream):
+    """Answers echo with a 20,000,000-byte binary: one value, in one frame, over 16,384,000
+    (the Thrift library's default frame and string limits)."""
+
+    def _one(self, c: socket.socket) -> None:
+        import struct
+
+        for name, seqid in self.requests(c):
+            buf = TTransport.TMemoryBuffer()
+            p = TBinaryProtocol.TBinaryProtocol(buf)
+            p.writeMessageBegin(name.decode(), TMessageType.REPLY, seqid)
+            TestService.echo_result(success=b"z" * 20_000_000).write(p)
+            p.writeMessageEnd()
+            body = buf.getvalue()
+            c.sendall(struct.pack("!i", len(body)) + body)
+
+
+@pytest.mark.parametrize("framing", ["framed", "header"])
+def test_max_frame_size_bounds_the_librarys_own_limits_too(framing):
+    """connect(max_frame_size=64 MiB) through a sidecar that allows 64 MiB: a reply holding one
+    20 MB binary value arrives, in any framing. Before: THeaderTransport kept its own 16,384,000
+    frame limit ("Frame was too large") and the accelerated protocols their 16,384,000 string
+    limit (a bare OverflowError) whatever max_frame_size said."""
+    up = _BigEchoUpstream()
+    text = config_text([up.address], transport=framing, cluster_transport="framed").replace(
+        "    routes", "    max_frame_size: 64MiB\n    routes").replace(
+        "    load_balancer", "    max_reply_size: 64MiB\n    load_balancer")
+    try:
+        with Proxy(text) as p:
+            c = connect(TestService.Client, "127.0.0.1", p.port(), framing=framing, timeout=30,
+                        max_frame_size=64 << 20)
+            try:
+                assert len(c.echo(b"hi")) == 20_000_000
+            finally:
+                c.close()
+    finally:
+        up.close()
