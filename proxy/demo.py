@@ -316,9 +316,13 @@ def main(args) -> int:
 def _demo(args) -> int:
     started = time.monotonic()
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     spans_path = out_dir / "spans.jsonl"
-    spans_path.unlink(missing_ok=True)  # the exporter appends
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        spans_path.unlink(missing_ok=True)  # the exporter appends
+    except OSError as e:  # (a file where the folder should be, no permission, a read-only disk)
+        print(f"demo: --out {args.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
     otlp = args.otlp or os.environ.get(OTLP_ENV) or None
     children: list[subprocess.Popen] = []
     print("thrift-sidecar demo: two UserService upstreams, the sidecar, a client mix, then the hop table")

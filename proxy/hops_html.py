@@ -13,10 +13,24 @@ Chromium.
 
 from __future__ import annotations
 
-from xml.sax.saxutils import escape, quoteattr
+from xml.sax import saxutils
 
 from proxy import spans
 from proxy.hops import BETWEEN, LOOP_LAG, MEANINGS, Call, Report, Span, render_text
+
+# The control characters XML 1.0 forbids (a client's method name may hold them), shown escaped
+# as the text table shows them (`\x01`); tab and newline are allowed, and kept.
+_XML_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7f) if c not in (0x09, 0x0a, 0x0d)}
+
+
+def escape(text: str) -> str:
+    """`text` for XML: forbidden control characters shown escaped, then &, < and > escaped."""
+    return saxutils.escape(text.translate(_XML_CONTROLS))
+
+
+def quoteattr(text: str) -> str:
+    return saxutils.quoteattr(text.translate(_XML_CONTROLS))
+
 
 __all__ = ["render_html", "COLORS"]
 

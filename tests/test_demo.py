@@ -244,3 +244,16 @@ def test_demo_upstream_takes_get_users_with_arguments_left_out():
     assert len(h.get_users(3, None)) == 3
     assert h.get_users(None, None) == []
     assert len(h.get_users(2, -5)) == 2  # a negative sleep is no sleep
+
+
+def test_demo_out_that_cannot_be_a_folder_is_one_line_and_exit_2(tmp_path):
+    """`--out` naming a file (or anything that cannot be made a folder) is said in one line,
+    exit 2, as every subcommand's bad argument is, before anything starts. Before: a
+    FileExistsError traceback and exit 1."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    r = subprocess.run([sys.executable, "-m", "proxy", "demo", "--out", str(afile), "--calls", "5", "--no-png"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip() == f"demo: --out {afile}: File exists", r.stderr
+    assert "Traceback" not in r.stdout + r.stderr and "upstreams" not in r.stdout

@@ -592,6 +592,20 @@ def _chromium() -> str | None:
     return None
 
 
+def test_html_page_stays_well_formed_with_control_characters_in_a_method_name(tmp_path):
+    """A client chooses its method name, control characters included (ESC, \\x01): the page
+    shows them escaped, as the text table does, and stays well-formed XML. Before: they went
+    into the page as they came, which XML 1.0 forbids (a parse error in any XML reader)."""
+    path = write_span_file(tmp_path / "evil.jsonl", [build(0, method="get\x1b[31mred\x01")])
+    html = tmp_path / "evil.html"
+    r = hops("--spans", path, "--html", html)
+    assert r.returncode == 0, r.stderr
+    text = html.read_text(encoding="utf-8")
+    assert "\x1b" not in text and "\x01" not in text
+    root = ET.fromstring(text.split("\n", 1)[1])
+    assert any("get\\x1b[31mred\\x01" in (t.text or "") for t in root.iter())
+
+
 def test_html_renders_in_headless_chromium(tmp_path):
     browser = _chromium()
     if browser is None:
