@@ -310,15 +310,15 @@ class TracedClient:
         if framing == "header":
             sub = THeaderSubprotocolID.COMPACT if compact else THeaderSubprotocolID.BINARY
             self._header_out = THeaderTransport(self._outbox, (THeaderClientType.HEADERS,), sub)
-            oprot = _HeaderProtocol(self._header_out, (THeaderClientType.HEADERS,), sub)
+            oprot = THeaderProtocol(self._header_out, (THeaderClientType.HEADERS,), sub)
             iprot = _HeaderProtocol(self._inbox, _HEADER_READ_TYPES, sub)
-            for p in (oprot, iprot):
+            for p in (oprot, iprot):  # (frames both ways; strings are limited only as read)
                 p.trans.set_max_frame_size(min(max_frame_size, HARD_MAX_FRAME_SIZE - 1))
-                p.limit_strings(max_frame_size)
+            iprot.limit_strings(max_frame_size)
         else:
             accelerated = TCompactProtocolAccelerated if compact else TBinaryProtocolAccelerated
             framer = TFramedTransport if framing == "framed" else TBufferedTransport
-            oprot = accelerated(framer(self._outbox), string_length_limit=max_frame_size)
+            oprot = accelerated(framer(self._outbox))
             iprot = accelerated(self._inbox, string_length_limit=max_frame_size)
         if service is not None:
             oprot = TMultiplexedProtocol(oprot, service)

@@ -556,6 +556,14 @@ def _overflow_family(rows: list[_ClusterRow]):
 
 _CLUSTER_FAMILIES = (_endpoints_family, _panicking_family, _connections_family, _transitions_family,
                      _checks_family, _retries_family, _refused_family, _overflow_family)
+_CLUSTERS_PER_PIECE = PIECE_LINES // len(ENDPOINT_STATES)  # (the most lines a cluster has in a family)
+
+
+def _cluster_families(clusters: Iterable) -> list:
+    """`clusters`: (Cluster, its HealthChecker or None) pairs, as they are now."""
+    rows = _cluster_rows(clusters)
+    return [build(rows) for build in _CLUSTER_FAMILIES]
+
 
 LISTENER_EVENTS = (("protocol_error", "protocol_errors"), ("read_timeout", "read_timeouts"),
                    ("idle_closed", "idle_closed"), ("write_stall", "write_stalls"))
@@ -579,13 +587,6 @@ def _listener_families(listeners: Iterable) -> list:
         for event, key in LISTENER_EVENTS:
             events.add_metric((name, event), stats[key])
     return [open_, made, events]
-_CLUSTERS_PER_PIECE = PIECE_LINES // len(ENDPOINT_STATES)  # (the most lines a cluster has in a family)
-
-
-def _cluster_families(clusters: Iterable) -> list:
-    """`clusters`: (Cluster, its HealthChecker or None) pairs, as they are now."""
-    rows = _cluster_rows(clusters)
-    return [build(rows) for build in _CLUSTER_FAMILIES]
 
 
 class _Families:
