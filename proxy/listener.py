@@ -30,7 +30,7 @@ from time import monotonic_ns
 
 from proxy.codec import Decoder, Framing, Head, MessageType, Protocol, ProtocolError, exception_reply
 from proxy.codec import AppErrorType
-from proxy.codec.heads import SET_LISTENER_TRANSPORT
+from proxy.codec.heads import SETTING_HINT
 from proxy.codec.message import Message
 from proxy.codec.wire import F_BUFFERED, F_FRAMED, M_CALL, M_ONEWAY
 from proxy import splice
@@ -984,13 +984,9 @@ class ClientConnection(asyncio.Protocol):
     def _protocol_error(self, e: ProtocolError) -> None:
         self.state.stats["protocol_errors"] += 1
         dec = self.decoder
-        if self.settings.framing is None and dec.framing is not None and SET_LISTENER_TRANSPORT in e.message:
-            # An auto listener detected this connection's transport from its first request: the
-            # hint to set the listener's transport is no help there.
-            e.message = e.message.replace(
-                f"{SET_LISTENER_TRANSPORT} to header or auto",
-                f"this connection's first request was {dec.framing.value}, and a connection keeps "
-                "the transport of its first request")
+        if (self.settings.framing is None and dec.framing is not None) or (
+                self.settings.protocol is None and dec.protocol is not None):
+            e.message = SETTING_HINT.sub(self._auto_hint, e.message)
         head = e.head
         if head is None and not e.whole:  # (a whole bad frame is gone: the next one's head is not its)
             try:
@@ -1018,6 +1014,21 @@ class ClientConnection(asyncio.Protocol):
             self.call_done(self.queue[0])
         elif self.closing and not self.queue:
             self._close_after_replies()
+
+    def _auto_hint(self, hint) -> str:
+        """A hint to set the listener's transport or protocol, where the listener detects it: it
+        detected this connection's from its first request, and setting it is no help."""
+        dec = self.decoder
+        if hint[1] == "transport":
+            if self.settings.framing is not None:
+                return hint[0]
+            first = "THeader" if dec.framing.is_header else dec.framing.value
+        else:
+            if self.settings.protocol is not None:
+                return hint[0]
+            first = dec.protocol.value
+        return (f"this connection's first request was {first}, and a connection keeps the {hint[1]} "
+                "of its first request")
 
     def shut_down(self, why: str, cause: str = "the proxy shut down") -> None:
         """The proxy stops with this client connected (or `cause`, e.g. its listener was removed

@@ -40,7 +40,7 @@ import struct
 
 from proxy.codec import Decoder, Framing, Message, MessageType, Protocol, ProtocolError
 from proxy.codec.wire import M_EXCEPTION, M_REPLY
-from proxy.codec.heads import SET_LISTENER_TRANSPORT, UNVERSIONED_HINT, peek_result_field, read_head
+from proxy.codec.heads import SETTING_HINT, UNVERSIONED_HINT, peek_result_field, read_head
 from proxy.codec.stream import UnframedStream
 from proxy.codec.theader import parse_header_block
 from proxy import splice
@@ -187,11 +187,12 @@ def answers(ex: Exchange, seqid: int, mtype: int, name: str) -> bool:
 
 
 def reply_terms(message: str) -> str:
-    """The codec's error text, worded for requests and the listener's settings, said of a reply."""
-    return message.removeprefix("bad request: ").replace("max_frame_size", "max_reply_size").replace(
+    """The codec's error text, worded for requests and the listener's settings, said of a reply
+    (a cluster's transport and protocol cannot be auto)."""
+    return SETTING_HINT.sub(r"set the cluster's \1 to \2", message.removeprefix("bad request: ").replace(
+        "max_frame_size", "max_reply_size").replace(
         UNVERSIONED_HINT, "(not strict binary: does the endpoint speak the cluster's transport and "
-                          "protocol? one that sends unversioned binary needs protocol binary_nonstrict)").replace(
-        SET_LISTENER_TRANSPORT, "set the cluster's transport")
+                          "protocol? one that sends unversioned binary needs protocol binary_nonstrict)"))
 
 
 def _bare(name: str) -> str:

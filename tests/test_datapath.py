@@ -114,6 +114,76 @@ def test_a_theader_frame_on_a_framed_connection_gets_a_hint_that_fits_the_listen
         up.stop()
 
 
+@pytest.mark.parametrize("listener,sent,hint", [
+    (("framed", "binary"), ("buffered", "binary"),
+     "an unframed binary message where the transport is framed (set the listener's transport to buffered or auto)"),
+    (("framed", "auto"), ("buffered", "compact"),
+     "an unframed compact message where the transport is framed (set the listener's transport to buffered or auto)"),
+    (("header", "binary"), ("buffered", "binary"),
+     "an unframed binary message where the transport is header (set the listener's transport to buffered or auto)"),
+    (("buffered", "auto"), ("framed", "binary"),
+     "a framed binary message where the transport is buffered (set the listener's transport to framed or auto)"),
+    (("buffered", "binary"), ("framed", "compact"),
+     "a framed compact message where the transport is buffered (set the listener's transport to framed or auto)"),
+    (("header", "binary"), ("framed", "binary"),
+     "a framed binary message where the transport is header (set the listener's transport to framed or auto)"),
+    (("framed", "compact"), ("framed", "binary"),
+     "a binary message where the protocol is compact (set the listener's protocol to binary or auto)"),
+    (("buffered", "binary"), ("buffered", "compact"),
+     "a compact message where the protocol is binary (set the listener's protocol to compact or auto)"),
+], ids=lambda v: "-".join(v) if isinstance(v, tuple) else "")
+def test_a_client_of_another_transport_or_protocol_reads_an_answer_that_names_the_fix(listener, sent, hint):
+    """A generated client whose framing or protocol is not the listener's gets, through its own
+    transport and protocol, a TApplicationException that says what it sent and which setting
+    would take it; the connection closes, and the listener goes on serving right clients. Before:
+    the answer came in the listener's framing and protocol (unreadable to this client: its
+    transport failed on the answer's first bytes) and said e.g. "invalid frame length -2147418111",
+    and on a listener left to detect the protocol (framed+auto, buffered+auto) the connection
+    closed without a word."""
+    protocol = "compact" if listener[1] == "compact" else "binary"  # (the listener's, if it is set)
+    up = ThriftServer("framed", protocol)
+    try:
+        text = config_text([up.address], transport=listener[0], protocol=listener[1], cluster_transport="framed",
+                           extra_cluster=f"\n    protocol: {protocol}")
+        with Proxy(text) as p:
+            with client(p.port(), *sent, timeout=5) as c:
+                with pytest.raises(TApplicationException) as answer:
+                    c.lookup("x")
+            assert answer.value.message == "thrift-sidecar: bad request: " + hint
+            assert answer.value.type == TApplicationException.PROTOCOL_ERROR
+            with socket.create_connection(("127.0.0.1", p.port())) as s:  # its own seqid, and then EOF
+                s.sendall(request_bytes(*sent, "lookup", "y", seqid=77))
+                (raw,) = read_messages(s, 1, *sent)
+                assert (raw.seqid, raw.name, raw.type) == (77, "lookup", MessageType.EXCEPTION)
+                assert s.recv(1) == b""
+            with client(p.port(), listener[0], protocol) as c:
+                assert c.lookup("z") == "upstream:z"
+    finally:
+        up.stop()
+
+
+def test_on_an_auto_listener_a_connection_keeps_its_first_requests_protocol_and_says_so():
+    """A listener that detects the protocol fixes it per connection from its first request: a
+    later request in another protocol is answered in its own protocol, with its seqid, saying
+    so (not "set the listener's protocol ... or auto": it is auto)."""
+    up = ThriftServer("framed", "binary")
+    try:
+        with Proxy(config_text([up.address], transport="auto", protocol="auto", cluster_transport="framed",
+                               extra_cluster="\n    protocol: binary")) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(request_bytes("framed", "binary", "lookup", "x", seqid=1))
+                (first,) = read_messages(s, 1, "framed", "binary")
+                assert first.type == MessageType.REPLY
+                s.sendall(request_bytes("framed", "compact", "lookup", "y", seqid=2))
+                (answer,) = read_messages(s, 1, "framed", "compact")
+            assert (answer.seqid, answer.name, answer.type) == (2, "lookup", MessageType.EXCEPTION)
+            assert app_exception(answer).message == (
+                "thrift-sidecar: bad request: a compact message where the protocol is binary (this connection's "
+                "first request was binary, and a connection keeps the protocol of its first request)")
+    finally:
+        up.stop()
+
+
 @pytest.mark.parametrize("client_framing,upstream_framing", [
     ("buffered", "framed"), ("framed", "buffered"), ("framed", "header"), ("header", "framed"),
     ("framed_header", "header"),

@@ -471,3 +471,28 @@ def test_a_connection_closed_with_its_reply_is_not_lent_to_a_waiting_call():
             assert up.after_fin == []
     finally:
         up.close()
+
+
+class _UnframedReplies(RawUpstream):
+    """Reads framed requests and answers each one unframed (its reply without the length prefix)."""
+
+    def _one(self, c):
+        for name, seqid in self.requests(c):
+            c.sendall(reply_bytes(name, seqid)[4:])
+
+
+def test_an_endpoint_that_answers_in_another_transport_is_named_with_the_cluster_setting_to_change():
+    """A reply in another framing than the cluster's is refused as garbage, and the client is
+    told which framing it came in and which cluster setting would take it (a cluster's transport
+    cannot be auto, so the hint does not offer it). Before: "invalid frame length -2147418110"."""
+    up = _UnframedReplies()
+    try:
+        with Proxy(config_text([up.address], cluster_transport="framed")) as p:
+            with client(p.port()) as c:
+                with pytest.raises(TApplicationException) as answer:
+                    c.lookup("x")
+        assert answer.value.message == (
+            f"thrift-sidecar: may have run: bad reply from {up.address}: an unframed binary message where the "
+            "transport is framed (set the cluster's transport to buffered)")
+    finally:
+        up.close()

@@ -40,7 +40,7 @@ from __future__ import annotations
 import struct
 
 from proxy.codec.errors import Head, ProtocolError
-from proxy.codec.heads import MAX_NAME_LENGTH, peek_result_field, read_head
+from proxy.codec.heads import MAX_NAME_LENGTH, SET_LISTENER_PROTOCOL, SET_LISTENER_TRANSPORT, peek_result_field, read_head
 from proxy.codec.message import Message, take_framed
 from proxy.codec.scan import StructScanner, struct_end
 from proxy.codec.stream import PAST_FRAME_END, FrameBody, UnframedStream, bytes_after_struct
@@ -515,9 +515,10 @@ class Decoder:
     def _check_length(self, length: int, buf, start: int, end: int) -> None:
         if 0 < length <= self.max_frame_size:
             return
-        head = self._peek_head(buf, start, end)
         if length <= 0:
-            raise ProtocolError(f"bad request: invalid frame length {length}", head=head)
+            raise (self._wrong_framing(buf, start - 4, end)
+                   or ProtocolError(f"bad request: invalid frame length {length}", head=self._peek_head(buf, start, end)))
+        head = self._peek_head(buf, start, end)
         raise ProtocolError(
             f"bad request: frame of {length} bytes exceeds max_frame_size {self.max_frame_size}",
             head=head, over_limit=True)
@@ -539,6 +540,39 @@ class Decoder:
             else:
                 return None
         return _head_of_bad(buf, start, end, protocol, framing)
+
+    def _wrong_framing(self, buf, off: int, end: int) -> ProtocolError | None:
+        """Error paths only: the message at buf[off] plainly has another framing than the one
+        configured (an unframed message on a framed connection, a framed or THeader one on an
+        unframed connection). The error says which, addressed in the message's own framing and
+        protocol, so its client can read the answer (DESIGN: errors go back in the client's own
+        framing and protocol). None when the bytes say nothing that clear."""
+        found = framing_at(buf, off, end)
+        if found is None or found[0] is self.framing or (found[0].is_header and self.framing.is_header):
+            return None
+        framing, protocol = found
+        if framing is Framing.BUFFERED:
+            head = _head_of_bad(buf, off, end, protocol, framing)
+        elif framing is Framing.FRAMED:
+            head = _head_of_bad(buf, off + 4, end, protocol, framing)
+        else:
+            head = self._peek_header_head(buf, off + 4, end, framing)
+        said = _FRAMING_SAID[framing] + (f" {protocol.value}" if protocol is not None else "")
+        return ProtocolError(
+            f"bad request: {said} message where the transport is {_FRAMING_CONFIG[self.framing]} "
+            f"({SET_LISTENER_TRANSPORT} to {_FRAMING_CONFIG[framing]} or auto)", head=head)
+
+    def _wrong_protocol(self, buf, pos: int, end: int, framing: Framing) -> ProtocolError | None:
+        """Error paths only: the message at buf[pos] (its framing is right) plainly has another
+        protocol than the one configured, said so and addressed in its own (as `_wrong_framing`)."""
+        found = protocol_at(buf, pos, end)
+        configured = self.protocol
+        if found is None or configured is None or found is configured or (
+                found is Protocol.BINARY and configured is Protocol.BINARY_NONSTRICT):
+            return None
+        return ProtocolError(
+            f"bad request: a {found.value} message where the protocol is {configured.value} "
+            f"({SET_LISTENER_PROTOCOL} to {found.value} or auto)", head=_head_of_bad(buf, pos, end, found, framing))
 
     def _answer_protocol(self) -> Protocol:
         """The protocol to answer a THeader request in whose block cannot name its own: the
@@ -596,7 +630,10 @@ class Decoder:
             if end - start < 4 or _I32.unpack_from(data, start)[0] != end - start - 4:
                 raise ProtocolError("bad request: framed THeader: inner length does not match the frame")
             start += 4
-        block, payload = parse_header_block(data, start, end, framing, self._answer_protocol())
+        try:
+            block, payload = parse_header_block(data, start, end, framing, self._answer_protocol())
+        except ProtocolError as e:
+            raise self._wrong_framing(data, off, end) or e
         protocol = block.protocol
         if self.protocol is None:
             self.protocol = protocol
@@ -642,7 +679,8 @@ class Decoder:
         try:
             r = read_head(readable, start, end, protocol)
         except ProtocolError as e:  # (e.g. an invalid message type: its seqid and name still address the answer)
-            raise e.with_head(_head_of_bad(readable, start, end, protocol, framing))
+            raise ((block is None and self._wrong_protocol(readable, start, end, framing))
+                   or e.with_head(_head_of_bad(readable, start, end, protocol, framing)))
         if r is None:
             if prefix_only:
                 raise ProtocolError("bad request: message head beyond the inflated prefix")
@@ -714,7 +752,13 @@ class Decoder:
         if protocol is None:  # framing configured as buffered, protocol left to detection
             if end - off < 2:
                 return None
-            protocol = self.protocol = _sniff_protocol(buf, off)
+            try:
+                protocol = _sniff_protocol(buf, off)
+            except ProtocolError as e:
+                if end - off < 6:
+                    return None  # (the six bytes that tell a framed message)
+                raise self._wrong_framing(buf, off, end) or e
+            self.protocol = protocol
         # Nothing past `limit` is ever looked at: a message that does not end by then is
         # refused, and what lies beyond cannot change that (nor, so, depend on read sizes).
         limit = off + self.max_frame_size
@@ -724,7 +768,10 @@ class Decoder:
             try:
                 r = read_head(buf, off, scan_end, protocol)
             except ProtocolError as e:
-                raise e.with_head(_head_of_bad(buf, off, scan_end, protocol, Framing.BUFFERED))
+                if end - off < 6:
+                    return None  # (the six bytes that tell a framed message)
+                raise (self._wrong_framing(buf, off, end) or self._wrong_protocol(buf, off, end, Framing.BUFFERED)
+                       or e.with_head(_head_of_bad(buf, off, scan_end, protocol, Framing.BUFFERED)))
             if r is None:
                 if end >= limit:
                     raise ProtocolError(
@@ -762,11 +809,43 @@ def _copy(buf: bytearray, start: int, stop: int) -> bytes:
         return bytes(view[start:stop])
 
 
-def _sniff_protocol(buf, pos: int) -> Protocol:
-    """The protocol of a message starting at buf[pos] (two bytes needed). Never non-strict binary."""
+_FRAMING_SAID = {Framing.BUFFERED: "an unframed", Framing.FRAMED: "a framed", Framing.HEADER: "a THeader",
+                 Framing.FRAMED_HEADER: "a THeader"}
+_FRAMING_CONFIG = {Framing.BUFFERED: "buffered", Framing.FRAMED: "framed", Framing.HEADER: "header",
+                   Framing.FRAMED_HEADER: "header"}
+
+
+def protocol_at(buf, pos: int, end: int) -> Protocol | None:
+    """The protocol a message starting at buf[pos] plainly has: strict binary or compact, from its
+    first two bytes; None when they are not here or say neither (never non-strict binary)."""
+    if end - pos < 2:
+        return None
     b0, b1 = buf[pos], buf[pos + 1]
     if b0 == 0x80 and b1 == 0x01:
         return Protocol.BINARY
     if b0 == COMPACT_PROTOCOL_ID and (b1 & COMPACT_VERSION_MASK) == COMPACT_VERSION:
         return Protocol.COMPACT
-    raise ProtocolError(f"bad request: cannot detect the protocol ({bytes(buf[pos:pos + 2]).hex()})")
+    return None
+
+
+def framing_at(buf, off: int, end: int) -> tuple[Framing, Protocol | None] | None:
+    """The framing (and protocol, unless THeader) that the message at buf[off] plainly has, from
+    its first six bytes: an unframed strict binary or compact message, or a frame (a positive length)
+    that holds one or a THeader block. None when they say nothing that clear."""
+    protocol = protocol_at(buf, off, end)
+    if protocol is not None:
+        return Framing.BUFFERED, protocol
+    if end - off < 6 or _I32.unpack_from(buf, off)[0] <= 0:
+        return None
+    if _U16.unpack_from(buf, off + 4)[0] == THEADER_MAGIC:
+        return Framing.HEADER, None
+    protocol = protocol_at(buf, off + 4, end)
+    return None if protocol is None else (Framing.FRAMED, protocol)
+
+
+def _sniff_protocol(buf, pos: int) -> Protocol:
+    """The protocol of a message starting at buf[pos] (two bytes needed). Never non-strict binary."""
+    protocol = protocol_at(buf, pos, pos + 2)
+    if protocol is None:
+        raise ProtocolError(f"bad request: cannot detect the protocol ({bytes(buf[pos:pos + 2]).hex()})")
+    return protocol

@@ -7,6 +7,7 @@ unframed one; it returns `None` when more bytes are needed.
 
 from __future__ import annotations
 
+import re
 import struct
 
 from proxy.codec.errors import ProtocolError
@@ -52,6 +53,9 @@ MAX_NAME_LENGTH = 64 * 1024
 # terms (proxy.upstream.reply_terms).
 UNVERSIONED_HINT = "(an unversioned message needs protocol binary_nonstrict)"
 SET_LISTENER_TRANSPORT = "set the listener's transport"
+SET_LISTENER_PROTOCOL = "set the listener's protocol"
+# ... as the codec ends them ("... to header or auto"), with the setting and the value it names
+SETTING_HINT = re.compile(r"set the listener's (transport|protocol) to (\w+) or auto")
 
 def read_varint(buf, pos: int, end: int) -> tuple[int, int] | None:
     """Unsigned LEB128 varint of at most 10 bytes; None when incomplete."""
