@@ -92,7 +92,7 @@ _FIRST_CHUNK = 64 * 1024  # its first read (below malloc's mmap threshold: cheap
 # THeader replies come back as THeader; framed ones are accepted too (they are length-prefixed).
 _HEADER_READ_TYPES = (THeaderClientType.HEADERS, THeaderClientType.FRAMED_BINARY,
                       THeaderClientType.FRAMED_COMPACT)
-_RESERVED = frozenset({"client", "close", "accelerated", "framing", "protocol", "service_name",
+_RESERVED = frozenset({"client", "close", "call", "accelerated", "framing", "protocol", "service_name",
                        "address", "timeout", "max_frame_size"})  # TracedClient's own attributes
 
 
@@ -282,8 +282,10 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
 class TracedClient:
     """A generated Thrift client's methods, each call one CLIENT span; see `connect`.
 
-    `client` is the generated client itself (it encodes to and decodes from memory only);
-    `accelerated` says whether fastbinary is in use.
+    `client` is the generated client itself (it encodes to and decodes from memory only: a call
+    made on it never reaches the socket); `accelerated` says whether fastbinary is in use. A
+    method whose name is one of this class's own attributes (`close`, `timeout`, `call`, ...) or
+    starts with `_` is not set as an attribute: `call(name, *args)` makes it, as any other.
     """
 
     def __init__(self, client_class, host: str, port: int, framing: str, protocol: str,
@@ -293,6 +295,8 @@ class TracedClient:
             raise ValueError(f"framing must be one of {', '.join(FRAMINGS)}, not {framing!r}")
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, not {protocol!r}")
+        if timeout is not None and not timeout > 0:  # (0 would make the socket non-blocking)
+            raise ValueError(f"timeout must be a number of seconds above 0, or None to wait forever, not {timeout!r}")
         self.framing = framing
         self.protocol = protocol
         self.address = (host, port)
@@ -331,16 +335,25 @@ class TracedClient:
         self.service_name = service_name or service or client_class.__module__.rsplit(".", 1)[-1]
         self._tracer = tracer if tracer is not None else trace.get_tracer(
             spans.INSTRUMENTATION_SCOPE + ".client", __version__, schema_url=spans.SCHEMA_URL)
+        self._methods = {}
         for name in sorted(n[5:] for n in dir(client_class) if n.startswith("send_")):
             call = getattr(client_class, name, None)
             if not callable(call):
                 continue
-            if name in _RESERVED or name.startswith("_"):
-                raise ValueError(f"{service_name or client_class.__module__}.{name} clashes with "
-                                 "TracedClient's own attribute; call it through .client")
-            setattr(self, name, self._method(name, call, getattr(client_class, "send_" + name),
-                                             getattr(client_class, "recv_" + name, None)))
+            method = self._methods[name] = self._method(name, call, getattr(client_class, "send_" + name),
+                                                        getattr(client_class, "recv_" + name, None))
+            if name not in _RESERVED and not name.startswith("_"):
+                setattr(self, name, method)
         self._connect()
+
+    def call(self, method: str, *args, **kwargs):
+        """Call the service's method named `method`, as its attribute would: the one way to
+        call a method whose name this class uses itself (e.g. a service's own `close`)."""
+        try:
+            run = self._methods[method]
+        except KeyError:
+            raise AttributeError(f"{self.service_name} has no method {method!r}") from None
+        return run(*args, **kwargs)
 
     # -- the connection ------------------------------------------------------------------------
 
@@ -457,6 +470,11 @@ class TracedClient:
         if _is_reply(e):
             return e
         self.close()  # the exchange broke: the next call dials again
+        if _PHASES[phase] == DECODE and not isinstance(e, TException):
+            # the reply's bytes are not what the method's reply should be: fastbinary and the
+            # generated code say so with bare EOFError, ValueError, OverflowError ...
+            return TProtocolException(TProtocolException.INVALID_DATA,
+                                      f"{DECODE}: malformed reply: {type(e).__name__}" + (f": {e}" if str(e) else ""))
         if isinstance(e, OSError):
             kind = (TTransportException.TIMED_OUT if isinstance(e, TimeoutError) else
                     TTransportException.END_OF_FILE if isinstance(e, ConnectionError) else

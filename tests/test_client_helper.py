@@ -493,3 +493,93 @@ def test_max_frame_size_bounds_the_librarys_own_limits_too(framing):
                 c.close()
     finally:
         up.close()
+
+
+# -- methods named like the client's own attributes; malformed replies; timeout --------------------
+
+
+class _Replies(RawUpstream):
+    """Answers each framed request with `replies(name, seqid, i)`'s bytes (i: the call's number)."""
+
+    def __init__(self, replies) -> None:
+        self.replies = replies
+        super().__init__()
+
+    def _one(self, c: socket.socket) -> None:
+        for name, seqid in self.requests(c):
+            c.sendall(self.replies(name, seqid, self.calls))
+
+
+class _ClosingService(TestService.Client):
+    """A generated client with a method named `close` (lookup's code, under that name)."""
+
+    def close(self, key):
+        self.send_close(key)
+        return self.recv_close()
+
+    def send_close(self, key):
+        self._oprot.writeMessageBegin("close", TMessageType.CALL, self._seqid)
+        TestService.lookup_args(key=key).write(self._oprot)
+        self._oprot.writeMessageEnd()
+        self._oprot.trans.flush()
+
+    recv_close = TestService.Client.recv_lookup
+
+
+def test_a_method_named_like_the_clients_own_attribute_is_called_by_name():
+    """A service with a method named `close` (or `timeout`, `address` ...): connect() works, the
+    attribute stays the client's own, and call("close", ...) makes the traced call over the
+    socket. Before: connect() raised ValueError and pointed at .client, whose calls never
+    reach the socket (it encodes to memory only)."""
+    from harness import reply_bytes
+
+    up = _Replies(lambda name, seqid, i: reply_bytes(name, seqid, name))
+    try:
+        c = connect(_ClosingService, port=up.port, timeout=5)
+        try:
+            assert c.call("close", "k") == "close"
+            assert c.call("lookup", "k") == c.lookup("k") == "lookup"
+            with pytest.raises(AttributeError, match="no method 'nope'"):
+                c.call("nope")
+            assert up.calls == 3
+        finally:
+            c.close()  # the client's own close: the socket
+        assert c._sock is None
+    finally:
+        up.close()
+
+
+def test_a_malformed_reply_is_a_protocol_exception_and_the_next_call_dials_again():
+    """A reply frame that ends inside its value: TProtocolException INVALID_DATA saying the
+    decode failed, the connection is closed, and the next call dials again. Before: a bare
+    EOFError (fastbinary's), or ValueError for a negative string length."""
+    import struct
+
+    from harness import reply_bytes
+    from thrift.protocol.TProtocol import TProtocolException
+
+    def replies(name, seqid, i):
+        good = reply_bytes(name, seqid, b"fine")
+        if i == 1:  # cut two bytes short inside the string, with a frame length that says so
+            return struct.pack("!i", len(good) - 6) + good[4:-2]
+        return good
+
+    up = _Replies(replies)
+    try:
+        with connect(TestService.Client, port=up.port, timeout=5) as c:
+            with pytest.raises(TProtocolException) as raised:
+                c.lookup("a")
+            assert raised.value.type == TProtocolException.INVALID_DATA
+            assert str(raised.value).startswith("decode: malformed reply: EOFError"), str(raised.value)
+            assert c._sock is None
+            assert c.lookup("b") == "fine"
+        assert up.connections == 2
+    finally:
+        up.close()
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan")])
+def test_a_timeout_that_is_not_above_zero_is_refused(timeout):
+    """timeout=0 made the socket non-blocking: connect failed with 'Operation now in progress'."""
+    with pytest.raises(ValueError, match="timeout must be a number of seconds above 0, or None"):
+        connect(TestService.Client, port=1, timeout=timeout)
