@@ -119,8 +119,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="group calls by method (default), upstream endpoint or client connection")
     hops.add_argument("--worst", type=_count(0), default=5, metavar="N", help="list (and draw) the N slowest calls")
     hops.add_argument("--html", metavar="FILE", help="also write a waterfall of the worst calls as HTML")
-    hops.add_argument("--limit", type=_count(1), default=1000, metavar="N", help="with --jaeger: at most N traces")
-    hops.add_argument("--lookback", default="1h", metavar="DURATION", help="with --jaeger: how far back (1h)")
+    hops.add_argument("--limit", type=_count(1), metavar="N", help="with --jaeger: at most N traces (1000)")
+    hops.add_argument("--lookback", metavar="DURATION", help="with --jaeger: how far back (1h)")
     return p
 
 

@@ -687,6 +687,11 @@ def run(args) -> int:
     """`thrift-sidecar hops`: 0 with a verdict, 1 when there is no call to analyse, 2 on bad input."""
     try:
         if args.spans:
+            given = [f"--{name}" for name in ("service", "limit", "lookback") if getattr(args, name, None) is not None]
+            if given:  # (said, not ignored: a user who filtered expects the filter to hold)
+                print(f"thrift-sidecar hops: {', '.join(given)} go with --jaeger; --spans reads the whole "
+                      "file (filter by method with --method)", file=sys.stderr)
+                return 2
             bad: list[str] = []
             all_spans = load_jsonl(args.spans, bad)
             for why in bad:

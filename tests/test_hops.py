@@ -547,6 +547,19 @@ def test_bad_input_exits_2(tmp_path):
     assert r.returncode == 2  # argparse: one source only
 
 
+@pytest.mark.parametrize("flag", [("--service", "sidecar"), ("--limit", "5"), ("--lookback", "5m")])
+def test_jaeger_only_filters_with_a_span_file_are_refused_not_ignored(tmp_path, flag):
+    """--service, --limit and --lookback filter what Jaeger returns; a span file is read whole.
+    Before: they were accepted with --spans and silently did nothing (a user who asked for the
+    last 5 minutes got the whole file's hour)."""
+    path = write_span_file(tmp_path / "spans.jsonl", slow_reader_large(2))
+    assert hops("--spans", path).returncode == 0
+    r = hops("--spans", path, *flag, check=False)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert r.stderr == (f"thrift-sidecar hops: {flag[0]} go with --jaeger; --spans reads the whole file "
+                        "(filter by method with --method)\n")
+
+
 # --------------------------------------------------------------------------------------------
 # The HTML waterfall
 
