@@ -757,27 +757,47 @@ class Server:
             if task is not asyncio.current_task():  # else the watch loop ends by itself
                 task.cancel()
 
+    def _watched(self) -> list[str]:
+        """The files a reload reads again: the config file, and those the running config names
+        (TLS certificates, keys and CAs, which cert-manager and the like rotate in place; the
+        listeners' IDLs). A discovery file has a watch of its own."""
+        paths = [self.path]
+        for lc in self.config.listeners:
+            if lc.idl is not None:
+                paths.append(str(lc.idl))
+        for cc in self.config.clusters:
+            if cc.tls is not None:
+                paths += [str(p) for p in (cc.tls.ca, cc.tls.cert, cc.tls.key) if p is not None]
+        return paths
+
     async def _watch_file(self) -> None:
-        """Reload when the file changes, including Kubernetes ConfigMap symlink swaps; ends
-        when a reload turns `reload.watch` off."""
-        def stamp():
+        """Reload when the config file or a file it names changes (`_watched`), including
+        Kubernetes ConfigMap and Secret symlink swaps; ends when a reload turns `reload.watch` off."""
+        def stamp(path: str):
             try:
-                real = os.path.realpath(self.path)
+                real = os.path.realpath(path)
                 st = os.stat(real)
                 return (real, st.st_ino, st.st_size, st.st_mtime_ns)
             except OSError:
                 return None
 
-        last = stamp()
+        def stamps() -> dict:
+            return {path: stamp(path) for path in self._watched()}
+
+        last = stamps()
         while True:
             await asyncio.sleep(WATCH_INTERVAL)
-            now = stamp()
-            if now is not None and now != last:
+            now = stamps()
+            if now != last and None not in now.values():  # (a file mid-swap: looked at again next time)
+                changed = [path for path, st in now.items() if last.get(path) != st]
                 last = now
-                log.info("config file changed: reloading")
+                log.info("%s changed: reloading", ", ".join(changed))
                 await self.reload_logged()
                 if self._watch is not asyncio.current_task():  # the new config turned watching off
                     return
+                # (the new config may name other files: as they are now; a change during the reload
+                # to one watched before is seen next time)
+                last = {path: last[path] if path in last else stamp(path) for path in self._watched()}
 
     # -- drain and stop ----------------------------------------------------------------
 

@@ -447,6 +447,38 @@ def test_a_reload_reads_an_unchanged_clusters_tls_files_again(pki, tmp_path, cap
         up.stop()
 
 
+def test_the_file_watch_reloads_when_a_tls_file_the_config_names_is_rotated(pki, tmp_path, caplog):
+    """reload: {watch: true} watches the files the config names as well as the config itself: a
+    CA file rotated in place (as cert-manager rotates a mounted Secret) is picked up without a
+    signal. Before: only the config file was watched; the proxy kept the old CA until a SIGHUP."""
+    up = TlsThriftServer(server_ctx(pki, require_client_cert=False), name="tls-up")
+    trust = tmp_path / "trust.pem"
+    shutil.copy(pki / "other-ca.pem", trust)  # the wrong CA first: handshakes fail
+    text = config_text([up.address], extra_top="reload: {watch: true}",
+                       extra_cluster=tls_yaml(ca=trust, server_name="users.internal"))
+    path = tmp_path / "sidecar.yaml"
+    path.write_text(text)
+
+    def answered() -> bool:
+        try:
+            return c.lookup("x") == "tls-up:x"
+        except TApplicationException as e:
+            assert e.message.startswith("thrift-sidecar: not sent: "), e.message
+            return False
+
+    try:
+        with caplog.at_level(logging.INFO, logger="proxy"):
+            with Proxy(text, path=str(path)) as p, client(p.port()) as c:
+                assert not answered()
+                shutil.copy(pki / "ca.pem", trust)   # rotated; the config file is untouched
+                wait_for(answered, timeout=15, what="the rotated CA file to be picked up")
+                assert p.server.reloads["ok"] == 1
+        assert any(r.getMessage() == f"{trust} changed: reloading" for r in caplog.records), \
+            [r.getMessage() for r in caplog.records]
+    finally:
+        up.stop()
+
+
 def test_dns_discovered_endpoints_are_checked_against_the_dns_name(pki, tmp_path):
     """endpoints: {dns: {name: users.internal:PORT}}, no server_name, a certificate naming only
     users.internal: the name looked up is the one checked (and sent as SNI). Before: each
