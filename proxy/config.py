@@ -642,6 +642,10 @@ class Pool(_Model):
     max_connections: PositiveCount = 64  # per endpoint
     idle_timeout: Duration = 30.0  # 0 = keep idle connections
     acquire_timeout: PositiveDuration = 1.0
+    # a connection this old (less up to 10%, so a pool's connections do not all go at once) closes
+    # when its call ends, and the next call gets a new one: calls spread again over what is behind
+    # one address (a Kubernetes Service's pods, an L4 balancer's backends); 0 = no limit
+    max_age: Duration = 0.0
 
 
 class Limits(_Model):

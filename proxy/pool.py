@@ -1,7 +1,8 @@
 """Upstream connection pool per (endpoint, framing, protocol, TLS): the `acquire` hop.
 
 LIFO idle list (the warmest connection first; the coldest age out), a bound on
-open connections, a connect deadline, idle eviction, and one queue of waiters
+open connections, a connect deadline, idle eviction, a maximum age (`max_age`: closed when
+released past it, less up to `AGE_JITTER`), and one queue of waiters
 served oldest first: a connection that comes free, or a new one, goes to the
 call that has waited longest, whichever call's connect opened it (as Envoy's
 pools do). Calls so get connections in the order they asked, and two calls a
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import random
 import ssl as ssl_mod
 from collections import deque
 from dataclasses import dataclass
@@ -44,6 +46,7 @@ from proxy.upstream import UpstreamConnection, UpstreamError
 
 log = logging.getLogger(__name__)
 
+AGE_JITTER = 0.1  # a connection's max_age is cut by up to this share: a pool's connections age out apart
 WARN_EVERY = 5.0  # seconds between two warnings of one kind (the same reason) about one pool's endpoint
 # A connect that fails for want of the proxy's own resources (file descriptors, memory,
 # ephemeral ports) says nothing about the endpoint: not counted against its breaker.
@@ -69,6 +72,7 @@ class PoolSettings:
     max_connections: int = 64
     idle_timeout: float = 30.0
     acquire_timeout: float = 1.0
+    max_age: float = 0.0  # 0 = none
     connect_timeout: float = 0.25
     max_reply_size: int = 16_384_000
     stream_threshold: int = 64 << 10  # larger replies stream to the client as they arrive
@@ -154,7 +158,7 @@ class Pool:
         self.on_connect_start: Callable[[], None] | None = None
         self.on_connect_end: Callable[[bool | None], None] | None = None  # ok; None: cancelled
         self.on_refused: Callable[[], None] | None = None  # a connection refused after oneways went out on it
-        self.stats = {"connects": 0, "connect_failures": 0, "acquire_timeouts": 0, "evicted": 0,
+        self.stats = {"connects": 0, "connect_failures": 0, "acquire_timeouts": 0, "evicted": 0, "aged_out": 0,
                       "oneways_refused": 0,  # oneways written on a connection the upstream's TLS then refused
                       # large messages passed by splice(2) (proxy.splice), or not (no fd or pipe to be had)
                       "spliced_replies": 0, "spliced_requests": 0, "spliced_bytes": 0, "splice_failures": 0}
@@ -248,6 +252,11 @@ class Pool:
 
     def release(self, conn: UpstreamConnection) -> None:
         if conn.closed:
+            return
+        expires = conn.expires
+        if expires and monotonic() >= expires:
+            self.stats["aged_out"] += 1
+            conn.abandon()  # (its exchange is over; forget() offers its slot to any waiter: a new connection)
             return
         if conn.paused:
             # A stream's last chunk can fill the client's buffer, pausing this connection's
@@ -374,6 +383,8 @@ class Pool:
         # (the connect failures' lines: keyed by their reason, a str; TLS refusals by a tuple)
         self.warnings.say_held(log, "before a connect succeeded", lambda key: isinstance(key, str))
         conn.owned = True
+        if s.max_age > 0:
+            conn.expires = monotonic() + s.max_age * (1 - AGE_JITTER * random.random())
         if not self._serve(conn, made):
             # Nobody waits (its caller gave up, or was served sooner): keep it for the next one.
             self.release(conn)

@@ -194,7 +194,7 @@ def build_cluster(c: cfgmod.Cluster, loop: asyncio.AbstractEventLoop, rng: rando
     """A cluster and its endpoint source; TLS files are read here, so each config load re-reads them."""
     endpoints = static_endpoints(c.endpoints.static) if c.endpoints.static is not None else []
     pool = PoolSettings(max_connections=c.pool.max_connections, idle_timeout=c.pool.idle_timeout,
-                        acquire_timeout=c.pool.acquire_timeout, connect_timeout=c.connect_timeout,
+                        acquire_timeout=c.pool.acquire_timeout, max_age=c.pool.max_age, connect_timeout=c.connect_timeout,
                         max_reply_size=c.max_reply_size, stream_threshold=c.stream_threshold)
     cluster = Cluster(c.name, loop, endpoints, make_balancer(c.load_balancer, rng=rng), pool,
                       framing=_framing(c.transport), protocol=_protocol(c.protocol),

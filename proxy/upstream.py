@@ -203,7 +203,7 @@ class UpstreamConnection(asyncio.Protocol):
     __slots__ = ("pool", "transport", "decoder", "exchange_", "idle_since", "closed", "label", "framing",
                  "protocol", "max_reply_size", "stream_threshold", "_probe", "_stream_left", "_may_stream", "_tail",
                  "paused", "upload", "owned", "_splice", "_write_full", "_held_oneway", "fd", "_sent_poll",
-                 "turn", "turn_since", "tls13", "replied", "oneways", "settling")
+                 "turn", "turn_since", "tls13", "replied", "oneways", "settling", "expires")
 
     def __init__(self, pool, framing: Framing, protocol: Protocol, max_reply_size: int,
                  stream_threshold: int = 0) -> None:
@@ -239,6 +239,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.oneways = 0                   # oneway calls written on it
         self.settling = None               # TLS bytes unread when it was to be lent: the timer that
                                            # looks again once the loop has read them (closed_by_peer)
+        self.expires = 0.0                 # monotonic time past which it closes when released (max_age); 0 = never
 
     # -- asyncio.Protocol -----------------------------------------------------
 

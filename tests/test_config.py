@@ -154,7 +154,7 @@ def test_summary_prints_routes_and_effective_defaults():
     assert "cluster users: 127.0.0.1:9191" in text
     effective = yaml.safe_load(text.split("# effective config (every default filled in)\n")[1])
     assert effective["clusters"][0]["pool"] == {
-        "max_connections": 64, "idle_timeout": "30s", "acquire_timeout": "1s"}
+        "max_connections": 64, "idle_timeout": "30s", "acquire_timeout": "1s", "max_age": "0s"}
     assert effective["listeners"][0]["max_frame_size"] == 16384000
 
 

@@ -264,3 +264,58 @@ def test_a_host_the_resolver_cannot_encode_fails_the_connect():
     conn, err, snap = uvloop.run(main())
     assert conn is None and err is not None and not err.written and "failed: " in err.message, err
     assert (snap["open"], snap["connect_failures"]) == (0, 1), snap
+
+
+def test_a_connection_past_max_age_closes_when_its_call_ends_and_the_next_call_gets_a_new_one():
+    """pool.max_age: calls within the age share one connection; one past it finishes on it
+    (never cut mid-call), then the connection closes and the next call opens another: what
+    spreads calls again over the pods behind one Service address. Without it: one connection
+    for ever."""
+    from harness import Proxy, ThriftServer, client, config_text
+
+    up = ThriftServer()
+    try:
+        text = config_text([up.address], extra_cluster="\n    pool: {max_age: 300ms}")
+        with Proxy(text) as p, client(p.port()) as c:
+            assert [c.lookup(f"k{i}") for i in range(5)] == [f"upstream:k{i}" for i in range(5)]
+            (endpoint,) = p.server.clusters["up"].endpoints
+            (pool,) = endpoint.pools.values()
+            assert up.connections == 1
+            assert c.sleep(400) == 400  # outlives its connection's age: answered all the same
+            assert pool.stats["aged_out"] == 1
+            assert c.lookup("after") == "upstream:after"
+            assert up.connections == 2 and pool.stats["connects"] == 2
+    finally:
+        up.stop()
+
+
+def test_max_age_is_cut_by_up_to_a_tenth_so_a_pools_connections_do_not_all_go_at_once():
+    """Each connection's deadline is its connect time plus max_age less up to AGE_JITTER of it."""
+    from proxy.pool import AGE_JITTER
+    from proxy.upstream import UpstreamConnection
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        ls = socket.socket()
+        ls.bind(("127.0.0.1", 0))
+        ls.listen(64)
+        pool = Pool(loop, "127.0.0.1", ls.getsockname()[1], Framing.FRAMED, Protocol.BINARY,
+                    PoolSettings(max_connections=64, max_age=100.0))
+        got: list[UpstreamConnection] = []
+        for _ in range(40):
+            fut = loop.create_future()
+            pool.acquire(lambda conn, err: fut.set_result((conn, err)))
+            conn, err = await fut
+            assert err is None
+            got.append(conn)
+        now = time.monotonic()
+        ages = [conn.expires - now for conn in got]
+        pool.close()
+        for conn in got:
+            conn.abandon()
+        ls.close()
+        return ages
+
+    ages = uvloop.run(main())
+    assert all(100 * (1 - AGE_JITTER) - 1 <= a <= 100 for a in ages), ages
+    assert max(ages) - min(ages) > 2  # spread (40 draws within one tenth of 100 s)
