@@ -32,6 +32,7 @@ from proxy.codec import Decoder, Framing, MessageType, Protocol, ProtocolError, 
 from proxy.codec.heads import encode_head
 from proxy.codec.wire import AppErrorType
 from proxy.pool import describe_connect_error
+from proxy.upstream import reply_terms
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ async def check_once(host: str, port: int, method: str, framing: Framing, protoc
     except OSError as e:  # ssl.SSLError included
         return f"connect failed: {describe_connect_error(e, ssl is not None)}"
     except ProtocolError as e:
-        return e.message if e.message.startswith("bad reply") else f"bad reply: {e.message}"
+        return e.message if e.message.startswith("bad reply") else f"bad reply: {reply_terms(e.message)}"
     finally:
         if writer is not None:
             writer.close()

@@ -984,8 +984,7 @@ class ClientConnection(asyncio.Protocol):
     def _protocol_error(self, e: ProtocolError) -> None:
         self.state.stats["protocol_errors"] += 1
         dec = self.decoder
-        if (self.settings.framing is None and dec.framing is not None) or (
-                self.settings.protocol is None and dec.protocol is not None):
+        if self.settings.framing is None or self.settings.protocol is None:
             e.message = SETTING_HINT.sub(self._auto_hint, e.message)
         head = e.head
         if head is None and not e.whole:  # (a whole bad frame is gone: the next one's head is not its)
@@ -1020,11 +1019,11 @@ class ClientConnection(asyncio.Protocol):
         detected this connection's from its first request, and setting it is no help."""
         dec = self.decoder
         if hint[1] == "transport":
-            if self.settings.framing is not None:
+            if self.settings.framing is not None or dec.framing is None:
                 return hint[0]
             first = "THeader" if dec.framing.is_header else dec.framing.value
         else:
-            if self.settings.protocol is not None:
+            if self.settings.protocol is not None or dec.protocol is None:
                 return hint[0]
             first = dec.protocol.value
         return (f"this connection's first request was {first}, and a connection keeps the {hint[1]} "

@@ -57,6 +57,19 @@ def check(port: int, method: str = "ping") -> str | None:
     return asyncio.run(check_once("127.0.0.1", port, method, Framing.FRAMED, Protocol.BINARY, 5.0))
 
 
+def test_a_reply_in_another_framing_is_said_in_the_clusters_terms():
+    """A health check's reply that comes unframed where the cluster says framed: the failure
+    names the cluster's setting, as a call's would. Before: "bad reply: bad request: invalid
+    frame length -2147418110" (a request's words, of a reply)."""
+    up = Replies()
+    try:
+        up.reply = framed(head(2))[4:] + b"\x00"  # a REPLY to ping, without its length prefix
+        assert check(up.port) == ("bad reply: an unframed binary message where the transport is framed "
+                                  "(set the cluster's transport to buffered)")
+    finally:
+        up.close()
+
+
 def test_garbage_replies_are_failed_checks_never_exceptions():
     up = Replies()
     rng = random.Random(7)
