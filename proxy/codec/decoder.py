@@ -450,14 +450,9 @@ class Decoder:
 
     def _detect(self, buf, off: int, end: int) -> bool:
         """Fix framing (and protocol, if auto) from the first bytes. False = need more."""
-        if end - off < 2:
-            return False
-        b0, b1 = buf[off], buf[off + 1]
-        if b0 == 0x80 and b1 == 0x01:
-            self._set(Framing.BUFFERED, Protocol.BINARY)
-            return True
-        if b0 == COMPACT_PROTOCOL_ID and (b1 & COMPACT_VERSION_MASK) == COMPACT_VERSION:
-            self._set(Framing.BUFFERED, Protocol.COMPACT)
+        protocol = protocol_at(buf, off, end)
+        if protocol is not None:
+            self._set(Framing.BUFFERED, protocol)
             return True
         if end - off < 6:
             return False
@@ -467,12 +462,9 @@ class Decoder:
         if _U16.unpack_from(buf, off + 4)[0] == THEADER_MAGIC:
             self._set(Framing.HEADER, None)
             return True
-        c0, c1 = buf[off + 4], buf[off + 5]
-        if c0 == 0x80 and c1 == 0x01:
-            self._set(Framing.FRAMED, Protocol.BINARY)
-            return True
-        if c0 == COMPACT_PROTOCOL_ID and (c1 & COMPACT_VERSION_MASK) == COMPACT_VERSION:
-            self._set(Framing.FRAMED, Protocol.COMPACT)
+        protocol = protocol_at(buf, off + 4, end)
+        if protocol is not None:
+            self._set(Framing.FRAMED, protocol)
             return True
         if end - off < 10:
             return False
