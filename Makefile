@@ -22,11 +22,7 @@ test: deps gen go-client jaeger chromium
 
 deps: $(STAMP)
 
-# The per-call core (proxy.compiled.MODULES) is compiled from its sources: an edit rebuilds it
-# (a stale build would not run: it falls back to Python, with a warning, until this does).
-CORE_SOURCES := proxy/compiled.py proxy/calls.py proxy/window.py proxy/pipeline.py proxy/listener.py proxy/upstream.py
-
-$(STAMP): pyproject.toml setup.py $(wildcard proxy/*.c proxy/codec/*.c) $(CORE_SOURCES)
+$(STAMP): pyproject.toml setup.py $(wildcard proxy/*.c proxy/codec/*.c)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[test]'

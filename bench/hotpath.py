@@ -9,8 +9,6 @@ the call recorded (metrics, sampling). Not a test: nothing here decides pass or 
 
     .venv/bin/python bench/hotpath.py                 # ping, tracing off
     .venv/bin/python bench/hotpath.py --calls 200000 --profile   # + cProfile, top 25
-    THRIFT_SIDECAR_PURE_CORE=1 .venv/bin/python bench/hotpath.py   # the core from its sources
-                                                     # (cProfile sees no function mypyc compiled)
 
 It also splits each leg at its write (medians): the work before the request is written
 upstream and before the reply is written to the client is what a lone client waits for (ping1's
@@ -39,7 +37,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import uvloop  # noqa: E402
 
-from proxy import compiled  # noqa: E402
 from proxy import config as cfgmod  # noqa: E402
 from proxy.listener import ClientConnection  # noqa: E402
 from proxy.server import Server  # noqa: E402
@@ -179,9 +176,7 @@ def main() -> int:
     run(2000)  # warm: specialisation, the method's metric labels
     gc.collect()
     best = min(run(args.calls) for _ in range(3))
-    core = "compiled (mypyc)" if compiled.IMPL == "mypyc" else f"pure Python, {compiled.WHY}"
-    print(f"hot path: {best / args.calls * 1e6:.2f} µs per call (best of 3 x {args.calls:,} calls; "
-          f"per-call core: {core})")
+    print(f"hot path: {best / args.calls * 1e6:.2f} µs per call (best of 3 x {args.calls:,} calls)")
     req_pre, req_post, rep_pre, rep_post = (x / 1000 for x in split(min(args.calls, 50_000)))
     print(f"  request: {req_pre:.2f} µs until written upstream, {req_post:.2f} after; "
           f"reply: {rep_pre:.2f} µs until written to the client, {rep_post:.2f} after (medians)")

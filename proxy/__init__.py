@@ -7,7 +7,3 @@ one composition root.
 """
 
 __version__ = "0.1.0"
-
-from proxy import compiled as _compiled
-
-_compiled.choose()  # (before anything imports the per-call core: compiled, or its sources)

@@ -18,7 +18,6 @@ byte, so that hop overlaps `acquire` and `write_upstream`.
 from __future__ import annotations
 
 from time import monotonic_ns
-from typing import Any
 
 from proxy.upstream import Exchange
 
@@ -51,8 +50,8 @@ class Call:
         self.conn = conn                    # the client connection (listener)
         self.pipeline = pipeline            # the pipeline (config generation) that handles it
         self.msg = msg                      # the request Message (None for a bad-request answer)
-        self.route: Any = None
-        self.cluster: Any = None
+        self.route = None
+        self.cluster = None
         self.oneway = False
         self.reply: bytes | None = None     # what goes back to the client, once known
         self.error: str | None = None       # the proxy's own error text, if it answered
@@ -78,19 +77,19 @@ class Call:
         self.upstream_wait_ns = 0
         self.reply_size = 0
         self.loop_lag_ns = 0                # the largest loop lag seen while the call ran
-        self.trace: Any = None              # trace context (telemetry)
-        self.timer: Any = None              # route deadline handle
+        self.trace = None                   # trace context (telemetry)
+        self.timer = None                   # route deadline handle
         self.deadline = 0.0                 # loop time of the route deadline (0 = none)
         self.deadline_what = ""             # which deadline, as the client hears it ("route timeout 2000ms")
         self.client_cut = False             # the deadline is the client's own, under the route timeout
         self.credited_ns = 0                # client pauses the deadline has moved by (Pipeline._credit_pauses)
-        self.retry_timer: Any = None        # backoff before the next attempt
+        self.retry_timer = None             # backoff before the next attempt
         self.holds_request = False          # counted in the cluster's max_requests
-        self.result_field: int | None = None  # the reply's first result field id (outcome peek)
+        self.result_field = None            # the reply's first result field id (outcome peek)
         self.waited = False                 # its reply waited behind an earlier pipelined one (queued)
         self.no_retry = ""                  # why a retry the route allows was not made (the error says)
-        self._req_framing: Any = None       # the upstream framing _req_data is for
-        self._req_data: Any = None          # the request bytes as that framing wants them
+        self._req_framing = None            # the upstream framing _req_data is for
+        self._req_data = None               # the request bytes as that framing wants them
         self.upload: Upload | None = None   # a large request streaming in (msg is its head only)
         self.req_held = 0                   # its request's bytes counted in its connection's open_bytes
         self.kept_size = -1                 # the request's size once its bytes were let go (drop_request)
@@ -147,7 +146,7 @@ class Upload:
         self.call: Call | None = None       # set by the pipeline; cleared once the listener is done
         self.total = total                  # the whole request (a frame's length prefix included)
         self.tail = tail                    # finds an unframed request's end (total None till then)
-        self.check: Any = None              # a framed request's struct check (codec.stream.FrameBody)
+        self.check = None                   # a framed request's struct check (codec.stream.FrameBody)
         self.held = held                    # pieces not written yet (no connection yet)
         self.held_size = sum(map(len, held))
         self.received = self.held_size
@@ -156,7 +155,7 @@ class Upload:
         self.timeout = 0.0                  # the route timeout, armed once the request is whole
         self.held_ns = 0
         self._held_at = 0
-        self.splice: Any = None             # moving the rest of it kernel to kernel (proxy.splice)
+        self.splice = None                  # moving the rest of it kernel to kernel (proxy.splice)
 
     def hold(self, on: bool) -> None:
         """Hold the client's reading back (on) or let it go on (off); the time is counted."""
@@ -186,22 +185,21 @@ class Upload:
 class Attempt(Exchange):
     """One try of a call on one endpoint: acquire → write → reply."""
 
-    # (seqid, name, t_first_reply, t_written, t_handoff: declared by Exchange)
-    __slots__ = ("call", "endpoint", "pool", "upconn", "waiter", "number", "timer",
-                 "t_acquire", "t_acquired", "t_reply", "outcome",
+    __slots__ = ("call", "endpoint", "pool", "upconn", "waiter", "seqid", "name", "number", "timer",
+                 "t_acquire", "t_acquired", "t_written", "t_handoff", "t_first_reply", "t_reply", "outcome",
                  "error", "retry_reason", "breaker_state", "request_size", "reply_size", "span_id", "probe",
                  "pending", "is_retry", "ended", "held_ns")
 
     def __init__(self, call: Call, endpoint, number: int, t_acquire: int) -> None:
-        self.call: Call | None = call       # None once its call let it go (pipeline)
+        self.call = call
         self.endpoint = endpoint
-        self.pool: Any = None
-        self.upconn: Any = None
-        self.waiter: Any = None
+        self.pool = None
+        self.upconn = None
+        self.waiter = None
         self.seqid = call.msg.seqid
         self.name = call.msg.name
         self.number = number                # 1-based
-        self.timer: Any = None              # per-try deadline handle
+        self.timer = None                   # per-try deadline handle
         self.t_acquire = t_acquire
         self.t_acquired = 0
         self.t_written = 0
@@ -248,66 +246,45 @@ class Attempt(Exchange):
 
     # pool callback: a connection (or an error) arrived
     def __call__(self, conn, error) -> None:
-        call = self.call
-        assert call is not None
         self.waiter = None
         if error is not None:
-            call.pipeline.attempt_failed(self, error)
+            self.call.pipeline.attempt_failed(self, error)
         else:
-            call.pipeline.send(self, conn)
+            self.call.pipeline.send(self, conn)
 
     def on_reply(self, reply) -> None:
-        call = self.call
-        assert call is not None
-        call.pipeline.attempt_replied(self, reply)
+        self.call.pipeline.attempt_replied(self, reply)
 
     def on_failure(self, error) -> None:
-        call = self.call
-        assert call is not None
-        call.pipeline.attempt_failed(self, error)
+        self.call.pipeline.attempt_failed(self, error)
 
     def start_stream(self, head) -> bool | str:
-        call = self.call
-        assert call is not None
-        return call.pipeline.stream_start(self, head)
+        return self.call.pipeline.stream_start(self, head)
 
     def read_whole_now(self, head, force: bool = False) -> bool:
         call = self.call
-        assert call is not None
         if call.cancelled or self is not call.attempt:
             return True  # (nobody waits for it: read whole and dropped)
         return call.conn.wait_whole(call, head.total, pressed=True, force=force)
 
     def owner(self):
-        call = self.call
-        assert call is not None
-        return call.conn
+        return self.call.conn
 
     def held_for(self, ns: int) -> None:
-        call = self.call
-        assert call is not None
         # held unread behind the client's earlier calls: the client's doing (client_paused_ms;
         # the timeouts credit it), as when it holds a streaming reply back by not reading; this
         # attempt's own share is what its per-try timeout and latency sample leave out
-        call.client_paused_ns += ns
+        self.call.client_paused_ns += ns
         self.held_ns += ns
 
     def stream_data(self, data) -> int:
-        call = self.call
-        assert call is not None
-        return call.conn.stream_write(call, data)
+        return self.call.conn.stream_write(self.call, data)
 
     def splice_to(self):
-        call = self.call
-        assert call is not None
-        return call.conn.splice_target(call)
+        return self.call.conn.splice_target(self.call)
 
     def stream_sized(self, size: int) -> None:
-        call = self.call
-        assert call is not None
-        call.reply_size = size  # an unframed stream's size (a framed one's came with its head)
+        self.call.reply_size = size  # an unframed stream's size (a framed one's came with its head)
 
     def stream_end(self) -> None:
-        call = self.call
-        assert call is not None
-        call.pipeline.stream_end(self)
+        self.call.pipeline.stream_end(self)

@@ -27,7 +27,6 @@ import logging
 from collections import deque
 from dataclasses import dataclass, replace
 from time import monotonic_ns
-from typing import Any
 
 from proxy.codec import Decoder, Framing, Head, MessageType, Protocol, ProtocolError, exception_reply
 from proxy.codec import AppErrorType
@@ -117,37 +116,37 @@ class ClientConnection(asyncio.Protocol):
         # The settings it was accepted under, for its whole life: a reload's new settings are
         # for new connections (a timer armed under one idle_timeout must not read another).
         self.settings = s = state.settings
-        self.transport: Any = None
+        self.transport = None
         self.decoder = Decoder(s.framing, s.protocol, s.max_frame_size, whole_body=True)
         self.queue: deque[Call] = deque()
-        self.peer: Any = None
+        self.peer = None
         self.t_first = 0
         self.closing = False
         self.paused_reading = False
         self.paused_writing = False
-        self._read_timer: Any = None
-        self._idle_timer: Any = None
+        self._read_timer = None
+        self._idle_timer = None
         self._last_active = 0
-        self._linger: Any = None
+        self._linger = None
         self.fd = -1
         self.bytes_out = 0                 # reply bytes written to the transport, ever
         self._unacked: deque = deque()     # (end offset in bytes_out, call) not yet acknowledged
-        self._ack_poll: Any = None
+        self._ack_poll = None
         self._ack_delay = ACK_POLL_FIRST
         self.stream_call: Call | None = None   # the call whose reply is streaming now
-        self.stream_up: Any = None             # its upstream connection (paused with us)
+        self.stream_up = None                  # its upstream connection (paused with us)
         self._waiting: dict[Call, int] = {}    # large replies read whole to wait their turn: their sizes
         self._waiting_bytes = 0                # (their sum: WAITING_REPLY_BUDGET bounds it)
         self._paused_at = 0
         self._framing = False                  # in _frame_requests (no nested framing)
         self._eof = False                      # half-closed while requests wait in the decoder
-        self._stall_timer: Any = None          # armed while writing is paused
+        self._stall_timer = None               # armed while writing is paused
         self._stall_mark = 0                   # bytes the client had read at the last look
         self._stall_seen = 0                   # when the last look saw it take bytes
         self._closed_why: str | None = None    # why the proxy itself closed it (else: the client did)
         self.upload: Upload | None = None      # a large request passing upstream as it arrives
         self._upload_at = UNDECIDED            # bytes past which the request arriving streams
-        self._upload_by: Any = None            # the pipeline (config) that decided _upload_at
+        self._upload_by = None                 # the pipeline (config) that decided _upload_at
         self._upload_held = False              # reading paused for the upload (calls.Upload.paused)
         self._held_since = 0                   # requests held back at max_inflight arrived by then
         self.open_bytes = 0                    # request bytes held for open calls (Call.req_held's sum)
@@ -184,10 +183,9 @@ class ClientConnection(asyncio.Protocol):
         if self._idle_timer is not None:
             self._last_active = now
         if self.upload is not None:
-            rest = self._upload_more(data)
-            if not rest:
+            data = self._upload_more(data)
+            if not data:
                 return  # (what follows the streamed request, if anything, begins the next one)
-            data = rest
         dec = self.decoder
         if len(self.queue) < self.settings.max_inflight and self.open_bytes < self.settings.max_inflight_bytes:
             msg = dec.take(data)  # the common case: this read is one whole request
@@ -311,14 +309,13 @@ class ClientConnection(asyncio.Protocol):
                 return  # read on: the decoder reports it
             if head is None:
                 return
-            assert dec.framing is not None and dec.protocol is not None
             msg = Message(head[0], head[1], head[2], dec.framing, dec.protocol, b"", 0, None, b"", 0)
             total = None
             size = dec.buffered
         at = self._upload_at
         if at == UNDECIDED:
-            threshold: int | None = pipeline.upload_threshold(msg)
-            at = self._upload_at = NEVER if threshold is None else threshold
+            at = pipeline.upload_threshold(msg)
+            at = self._upload_at = NEVER if at is None else at
         if size <= at or at == NEVER:
             if total is not None:
                 self._upload_at = NEVER  # a frame's size does not grow: read it whole
@@ -341,16 +338,13 @@ class ClientConnection(asyncio.Protocol):
         self.upload = up
         pipeline.handle(self, msg, self.t_first, now, up)
 
-    def _upload_more(self, data: bytes) -> bytes | None:
+    def _upload_more(self, data: bytes):
         """The next read while a request streams: its part goes on; returns what follows it."""
         up = self.upload
-        assert up is not None
         n = len(data)
         call = up.call
-        assert call is not None
         tail = up.tail
         if tail is None:
-            assert up.total is not None
             left = up.total - up.received  # bytes of it still to come
             last = n >= left
             if up.check is not None:
@@ -388,7 +382,6 @@ class ClientConnection(asyncio.Protocol):
         (proxy.splice) once its connection is writing it and that transport holds nothing.
         Checked (`up.check`), only the inside of the long value it is in goes so (`opaque`):
         then its transport reads the rest again, and the check goes on there."""
-        assert up.total is not None and up.call is not None
         count = up.total - up.received
         if up.check is not None:
             count = min(count, up.check.opaque)
@@ -418,7 +411,6 @@ class ClientConnection(asyncio.Protocol):
 
     def splice_read(self, n: int) -> None:
         up = self.upload
-        assert up is not None
         up.received += n
         if up.check is not None:
             up.check.pass_over(n)
@@ -429,13 +421,11 @@ class ClientConnection(asyncio.Protocol):
         """The spliced request's last byte is upstream: as when its last read came. (Or the
         long value spliced has ended: the transport reads, and the check sees, the rest.)"""
         up = self.upload
-        assert up is not None and up.total is not None
         up.splice = None
         if up.received < up.total:
             self._maybe_resume()
             return
         call = up.call
-        assert call is not None
         self.upload = None
         up.call = None
         up.done = True
@@ -447,7 +437,6 @@ class ClientConnection(asyncio.Protocol):
         """The client's socket closed (`error` None: answered as a half-close is) or failed (the
         client is gone: its connection_lost cancels the call) inside the spliced request."""
         up = self.upload
-        assert up is not None
         up.splice = None
         if error is not None:
             self.transport.abort()
@@ -487,14 +476,12 @@ class ClientConnection(asyncio.Protocol):
         """The streaming request will not be finished: its call is answered with `text` (unless
         it was already), then the connection closes after the replies."""
         up = self.upload
-        assert up is not None
         self.upload = None
         self._upload_held = False
         self.closing = True
         self.stop_upload_splice(up)  # (after `closing`: nothing resumes the transport's reading)
         self._disarm_read()
         call = up.call
-        assert call is not None
         up.call = None
         if outcome is None:
             call.pipeline.upload_broken(call, text)
@@ -556,16 +543,15 @@ class ClientConnection(asyncio.Protocol):
         self.open_bytes = 0
         up = self.stream_up
         if up is not None:  # gone mid-stream: its upstream connection (maybe paused) goes too
-            sc = self.stream_call
-            assert sc is not None
-            self._stream_times(sc)  # (before the splice, if any, stops: it would end the pause)
+            call = self.stream_call
+            self._stream_times(call)  # (before the splice, if any, stops: it would end the pause)
             self.stream_call = self.stream_up = None
             up.abandon()
-            a = sc.attempt
+            a = call.attempt
             if a is not None and not a.ended:
                 why = self._closed_why or (f"the client's connection broke before it took the reply ({exc})"
                                            if exc is not None else "the client closed its connection")
-                sc.pipeline._stream_failed(a, why, blame=False)
+                call.pipeline._stream_failed(a, why, blame=False)
         if self._ack_poll is not None:
             self._ack_poll.cancel()
             self._ack_poll = None
@@ -861,7 +847,6 @@ class ClientConnection(asyncio.Protocol):
                 self.unwait(c)
             c.t_write = monotonic_ns()
             data = c.reply
-            assert data is not None
             write(data)
             self.bytes_out += len(data)
             c.reply_size = len(data)
@@ -1167,7 +1152,6 @@ class ClientConnection(asyncio.Protocol):
                 return
         self.state.stats["read_timeouts"] += 1
         if up is not None:
-            assert up.call is not None
             a = up.call.attempt
             held = up.held_for(now) / 1e9
             if self._upload_held and a is not None and a.upconn is not None:

@@ -32,7 +32,7 @@ import asyncio
 import logging
 import random
 from time import monotonic_ns
-from typing import Any, Callable, Mapping
+from typing import Mapping
 
 from proxy import calls
 from proxy import config as cfgmod
@@ -95,9 +95,9 @@ class Pipeline:
         self.stats = {"calls": 0, "errors": 0, "oneway": 0, "oneway_failures": 0, "no_route": 0,
                       "retries": 0, "retries_refused_budget": 0, "retries_refused_limit": 0,
                       "timeouts": 0, "limit_rejections": 0, "client_gone": 0}
-        self.on_complete: Callable[..., Any] | None = None  # telemetry: called once per finished call
-        self.on_send: Callable[..., Any] | None = None      # telemetry: headers to add for a THeader upstream (trace context)
-        self.on_begin: Callable[..., Any] | None = None     # telemetry: trace context for THeader traffic
+        self.on_complete = None   # telemetry: called once per finished call
+        self.on_send = None       # telemetry: headers to add for a THeader upstream (trace context)
+        self.on_begin = None      # telemetry: trace context for THeader traffic
         self.warnings = Throttle(WARN_EVERY)  # per-call warnings (a failed oneway), thinned per kind
         self._policies: dict[int, RetryPolicy | None] = {}
         # route and per-try deadlines, one queue per timeout value (proxy.deadlines: no loop
@@ -222,7 +222,6 @@ class Pipeline:
         """The next piece of a streaming request (`last`: its end): written to the attempt's
         connection, held while the attempt waits for one, dropped once the call is answered."""
         up = call.upload
-        assert up is not None
         now = monotonic_ns() if last else 0  # the request's last byte: read_request ends
         a = call.attempt
         conn = a.upconn if a is not None else None
@@ -230,7 +229,6 @@ class Pipeline:
             if data:  # (a spliced request's end comes with none)
                 conn.transport.write(data)
             if last:
-                assert a is not None
                 conn.upload = None
                 a.t_written = monotonic_ns()
                 conn.watch_sent(a, up.size)
@@ -248,7 +246,6 @@ class Pipeline:
         """The whole request is here: the route deadline (and the attempt's per-try timeout)
         count from now, as they do from a small request's framing."""
         up = call.upload
-        assert up is not None
         if up.timeout > 0:
             call.deadline = self.loop.time() + up.timeout
             call.timer = self.loop.call_at(call.deadline, self._call_timeout, call)
@@ -339,7 +336,6 @@ class Pipeline:
         """The attempt's per-try deadline, unless the route deadline comes first."""
         at = self.loop.time() + per_try
         call = attempt.call
-        assert call is not None
         deadline = self._credit_pauses(call)
         if not deadline or at <= deadline:
             # (time the client held earlier attempts' replies back is not this attempt's credit)
@@ -350,7 +346,6 @@ class Pipeline:
 
     def send(self, attempt: Attempt, conn) -> None:
         call = attempt.call
-        assert call is not None
         if attempt.pending:
             self._leave_pending(attempt)
         if call.cancelled or attempt is not call.attempt or attempt.ended:
@@ -417,9 +412,7 @@ class Pipeline:
         """A streaming request got its connection: what is held goes out; the rest follows
         (upload_data) as it arrives."""
         attempt.endpoint.outstanding += 1
-        call = attempt.call
-        assert call is not None
-        call.written = True
+        attempt.call.written = True
         held = up.held
         up.held = []
         up.held_size = 0
@@ -443,7 +436,6 @@ class Pipeline:
                 if attempt.timer is not None:
                     per_try = attempt.timer.when() - now
                     left = per_try if left is None else min(left, per_try)
-                assert left is not None
                 headers[CLIENT_TIMEOUT_HEADER] = str(max(int(left * 1000), 1))
             if self.on_send is not None:
                 self.on_send(attempt, headers)
@@ -483,14 +475,13 @@ class Pipeline:
 
     def attempt_replied(self, attempt: Attempt, reply: Message) -> None:
         self._off_connection(attempt)
-        call = attempt.call
-        assert call is not None
-        if call.cluster.tracks_latency and attempt.t_written:  # only peak_ewma reads it
+        if attempt.call.cluster.tracks_latency and attempt.t_written:  # only peak_ewma reads it
             rtt = attempt.t_reply - attempt.t_sent
             if attempt.held_ns:  # held for its turn, then read whole: the client's order, not the
                 rtt = max(rtt - attempt.held_ns, attempt.t_first_reply - attempt.t_sent)  # endpoint's
             attempt.endpoint.ewma.observe(rtt / 1e9)
         attempt.reply_size = len(reply.data)
+        call = attempt.call
         field = None
         blame = True
         if reply.type == M_EXCEPTION:
@@ -546,7 +537,6 @@ class Pipeline:
 
     def stream_start(self, attempt: Attempt, head) -> bool | str:
         call = attempt.call
-        assert call is not None
         if (call.cancelled or attempt is not call.attempt or call.oneway
                 or (call.upload is not None and not call.upload.done)):
             # read it whole: nobody waits for it, or it came before the whole request was
@@ -590,21 +580,17 @@ class Pipeline:
 
     def stream_end(self, attempt: Attempt) -> None:
         self._off_connection(attempt)
-        call = attempt.call
-        assert call is not None
-        if call.cluster.tracks_latency and attempt.t_written:  # only peak_ewma reads it
+        if attempt.call.cluster.tracks_latency and attempt.t_written:  # only peak_ewma reads it
             attempt.endpoint.ewma.observe((attempt.t_first_reply - attempt.t_sent) / 1e9)
+        call = attempt.call
         attempt.reply_size = call.reply_size
-        assert call.outcome is not None
         self._end_attempt(attempt, call.outcome)
         call.t_done = attempt.t_reply
         self._release_call(call)
         call.conn.stream_end(call)
 
     def attempt_failed(self, attempt: Attempt, error: UpstreamError) -> None:
-        call = attempt.call
-        assert call is not None
-        if call.streamed:
+        if attempt.call.streamed:
             self._stream_failed(attempt, error.message)
             return
         self._leave_pending(attempt)
@@ -615,6 +601,7 @@ class Pipeline:
         else:
             outcome = calls.NOT_SENT
         self._end_attempt(attempt, outcome, error.endpoint_fault, not error.own_limit)
+        call = attempt.call
         if not error.written and call.written:  # written (maybe a streaming request's first part),
             # yet it reached no service (a TLS refusal): the call "may have run" only if an
             # earlier attempt's request may have
@@ -675,9 +662,7 @@ class Pipeline:
             else:
                 breaker.record(verdict, attempt.probe)
         if attempt.is_retry:
-            call = attempt.call
-            assert call is not None
-            limits = call.cluster.limits
+            limits = attempt.call.cluster.limits
             if limits is not None:
                 limits.leave_retry()
             attempt.is_retry = False
@@ -685,9 +670,7 @@ class Pipeline:
     def _leave_pending(self, attempt: Attempt) -> None:
         if attempt.pending:
             attempt.pending = False
-            call = attempt.call
-            assert call is not None
-            call.cluster.limits.leave_pending()
+            attempt.call.cluster.limits.leave_pending()
 
     # 8: retry? --------------------------------------------------------------------
 
@@ -785,7 +768,6 @@ class Pipeline:
                                                  credited, True)
             return
         call = attempt.call
-        assert call is not None
         # As for the route timeout (_credit_pauses): time the client held the stream back (or its
         # earlier calls held the reply unread, even if it was then read whole) is not the
         # upstream's: the deadline moves.
@@ -810,7 +792,6 @@ class Pipeline:
         as `outcome` says, but not by the endpoint's doing (the client's own shorter
         client_timeout passed): the breaker and peak_ewma do not count it."""
         call = attempt.call
-        assert call is not None
         self._off_connection(attempt)
         attempt.error = why
         self._end_attempt(attempt, outcome, blame=blame and endpoint_blame)
@@ -876,7 +857,6 @@ class Pipeline:
             self.stats["timeouts"] += 1
             # (the client's own shorter deadline cuts the stream, as it cuts a reply read whole:
             # a timeout, but not the endpoint's, whose breaker and peak_ewma do not see it)
-            assert a is not None
             self._stream_failed(a, what, outcome=calls.TIMEOUT, endpoint_blame=not call.client_cut)
             return
         self.stats["timeouts"] += 1

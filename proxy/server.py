@@ -38,7 +38,6 @@ import threading
 import time
 from typing import Any
 
-from proxy import compiled
 from proxy import config as cfgmod
 from proxy import resilience
 from proxy import splice
@@ -397,11 +396,6 @@ class Server:
     async def start(self) -> None:
         """Admin, clusters, listeners; ListenError if an address cannot be listened on."""
         self.lag.start()
-        if compiled.IMPL == "mypyc":
-            log.info("per-call core: compiled (mypyc)")
-        else:  # (a stale build is a mistake worth a warning; a forced or missing one is not)
-            (log.warning if compiled.WHY.startswith("stale") else log.info)(
-                "per-call core: pure Python, %s", compiled.WHY)
         await self._start_admin()
         await self._start_clusters(self.clusters.values())
         for i, lc in enumerate(self.config.listeners):

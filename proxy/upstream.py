@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from time import monotonic_ns
-from typing import Any
 
 import struct
 
@@ -128,13 +127,6 @@ class Exchange:
     seqid: int
     name: str           # the method name sent (a reply must answer it: see `answers`)
     t_first_reply: int
-    t_written: int      # (watch_sent)
-    t_handoff: int
-
-    def __call__(self, conn, error) -> None:  # pragma: no cover - interface
-        """(The pool's callback: Attempt's. Declared here so that mypyc lays a native subclass
-        that defines __call__ out as its base: it adds a vectorcall slot, shifting the fields.)"""
-        raise NotImplementedError
 
     def start_stream(self, head: StreamHead) -> bool | str:  # pragma: no cover - interface
         """A large reply begins: True to stream it to the client as it arrives, False to read it
@@ -216,7 +208,7 @@ class UpstreamConnection(asyncio.Protocol):
     def __init__(self, pool, framing: Framing, protocol: Protocol, max_reply_size: int,
                  stream_threshold: int = 0) -> None:
         self.pool = pool
-        self.transport: Any = None
+        self.transport: asyncio.Transport | None = None
         self.decoder = Decoder(framing, protocol, max_reply_size)
         self.exchange_: Exchange | None = None
         self.idle_since = 0.0
@@ -233,19 +225,19 @@ class UpstreamConnection(asyncio.Protocol):
                                            # (set by its first read; cleared once asked)
         self._tail: UnframedStream | None = None  # finds the end of a streaming unframed reply
         self.paused = False                # reading paused by a streaming client's backpressure
-        self.upload: Any = None            # the streaming request still being written (calls.Upload)
+        self.upload = None                 # the streaming request still being written (calls.Upload)
         self.owned = False                 # counted in the pool's `open` as a connection (not a connect)
         self._write_full = False           # the transport's buffer is over its high-water mark
         self._held_oneway = False          # kept from the pool until the upstream takes a oneway's bytes
         self._splice: splice.Splice | None = None  # moving the rest of a streaming reply (transport paused)
         self.fd = -1                       # the socket's (for the send queue: watch_sent)
-        self._sent_poll: Any = None        # the timer of watch_sent, while it looks
+        self._sent_poll = None             # the timer of watch_sent, while it looks
         self.turn: tuple | None = None     # a large reply held unread for its turn: (head, bytes so far)
         self.turn_since = 0                # since when (monotonic ns)
         self.tls13 = False                 # TLS 1.3 (a refusal of our certificate comes after our handshake)
         self.replied = False               # a reply's first byte came on it (a refusal comes before any)
         self.oneways = 0                   # oneway calls written on it
-        self.settling: Any = None          # TLS bytes unread when it was to be lent: the timer that
+        self.settling = None               # TLS bytes unread when it was to be lent: the timer that
                                            # looks again once the loop has read them (closed_by_peer)
         self.expires = 0.0                 # monotonic time past which it closes when released (max_age); 0 = never
 
@@ -285,10 +277,9 @@ class UpstreamConnection(asyncio.Protocol):
                 else:
                     self._probe = b""
         if self._probe is not None:
-            rest = self._probe_stream(ex, data)
-            if rest is None:
+            data = self._probe_stream(ex, data)
+            if data is None:
                 return
-            data = rest
         dec = self.decoder
         dec.feed(data)
         try:
@@ -323,7 +314,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     # -- streaming a large reply -------------------------------------------------------
 
-    def _probe_stream(self, ex: Exchange, data: bytes) -> bytes | None:
+    def _probe_stream(self, ex: Exchange, data: bytes):
         """Decide from a reply's first bytes whether it streams. Returns the bytes to decode
         normally, or None (kept for later, or now streaming)."""
         buf = self._probe + data if self._probe else data
@@ -377,9 +368,7 @@ class UpstreamConnection(asyncio.Protocol):
         Pool.acquire's pressure): holding spares the proxy's memory, and costs other calls only
         when that memory is short."""
         pool = self.pool
-        ex = self.exchange_
-        assert ex is not None
-        if pool.waiters and ex.read_whole_now(head):
+        if pool.waiters and self.exchange_.read_whole_now(head):
             return False
         self.turn = (head, buf)
         self.turn_since = monotonic_ns()
@@ -438,13 +427,11 @@ class UpstreamConnection(asyncio.Protocol):
         ex = self.exchange_
         if self.turn is None or ex is None or self.closed or not ex.read_whole_now(self.turn[0], force):
             return False
-        held = self._end_hold()
-        assert held is not None
-        head, buf = held
+        head, buf = self._end_hold()
         self._go_on(ex, head, buf, False)
         return True
 
-    def _go_on(self, ex: Exchange, head: StreamHead, buf, stream: bool | str) -> None:
+    def _go_on(self, ex: Exchange, head: StreamHead, buf, stream: bool) -> None:
         """After a hold: stream the reply from its first bytes, or read it whole; reading resumes."""
         if stream:
             self._begin_stream(ex, head, buf)
@@ -506,7 +493,6 @@ class UpstreamConnection(asyncio.Protocol):
         else:
             self.resume_reading()  # (the splice paused the transport)
             self.pool.release(self)
-        assert ex is not None
         ex.stream_end()
 
     def splice_failed(self, why: str, error: OSError | None) -> None:
@@ -552,17 +538,16 @@ class UpstreamConnection(asyncio.Protocol):
         if not answers(ex, seqid, mtype, name):
             self._fail_head(ex, seqid, mtype, name)
             return
-        sh = StreamHead(name, mtype, seqid, field, None, Framing.BUFFERED)
-        go = ex.start_stream(sh)
-        if go is WAIT_TURN and self._hold(sh, None):
+        head = StreamHead(name, mtype, seqid, field, None, Framing.BUFFERED)
+        go = ex.start_stream(head)
+        if go is WAIT_TURN and self._hold(head, None):
             return
         if not go or go is WAIT_TURN:
             return  # read it whole after all
-        self._begin_stream(ex, sh, None)
+        self._begin_stream(ex, head, None)
 
     def _stream_unframed(self, ex: Exchange, data: bytes) -> None:
         tail = self._tail
-        assert tail is not None
         try:
             n = tail.feed(data)
         except ProtocolError as e:

@@ -987,7 +987,6 @@ def test_metric_method_labels_capped_under_random_names():
 # == listener bounds, in-process (the connection's state is inspected) ============================
 
 
-@pytest.mark.pure_core  # (counts through a replaced Pipeline.handle)
 def test_pipelined_burst_holds_at_most_max_inflight_calls():
     """3,000 pings in one write: at most max_inflight (128) calls are open at once, the rest wait
     unframed in the decoder; every one is answered (none refused by the cluster's max_pending)."""

@@ -407,7 +407,6 @@ def test_compiled_hop_update_agrees_at_each_edge():
 
 
 @pytest.mark.skipif(CompiledRecordHops is None, reason="proxy._hops not built")
-@pytest.mark.pure_core  # (an Attempt subclass: the compiled Attempt has none)
 def test_compiled_hop_update_survives_attributes_that_change_the_call():
     """Reading an attribute may run Python code; the compiled update holds what it reads."""
     call = fx.call_retry()

@@ -224,7 +224,7 @@ class _Gated(Handler):
         return make_users(count)
 
 
-@pytest.mark.parametrize("loop", ["idle", pytest.param("busy", marks=pytest.mark.pure_core)])
+@pytest.mark.parametrize("loop", ["idle", "busy"])
 @pytest.mark.parametrize("reply", ["small", "large"])
 def test_a_reply_to_a_client_that_half_closed_then_vanished_is_not_delivered(reply, loop, monkeypatch):
     """A client sends a slow call, half-closes (FIN: it is still answered), then resets before

@@ -1250,8 +1250,7 @@ class RawBufferedUpstream(RawUpstream):
 
 def _spy_streams(pipeline) -> list:
     """The calls whose reply began to stream (a call whose stream broke never reaches
-    on_complete: its client connection is closed and the call cancelled). Replaces a Pipeline
-    method: tests using it are marked pure_core."""
+    on_complete: its client connection is closed and the call cancelled)."""
     calls = []
     start = pipeline.stream_start
 
@@ -1357,7 +1356,6 @@ def test_buffered_upstream_reset_mid_stream_closes_only_that_client():
         up.close()
 
 
-@pytest.mark.pure_core  # (_spy_streams replaces Pipeline.stream_start)
 def test_buffered_garbage_mid_stream_closes_the_client():
     up = RawBufferedUpstream(3_000_000, garbage=True)
     try:
@@ -1376,7 +1374,6 @@ def test_buffered_garbage_mid_stream_closes_the_client():
     assert 1_000_000 < echo.reply_size <= got  # what got through
 
 
-@pytest.mark.pure_core  # (_spy_streams replaces Pipeline.stream_start)
 def test_buffered_reply_over_max_reply_size_mid_stream_closes_the_client():
     up = RawBufferedUpstream(8_000_000)
     text = _buffered_config(f"127.0.0.1:{up.port}").replace("max_reply_size: 300MiB", "max_reply_size: 5MiB")

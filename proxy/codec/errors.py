@@ -10,7 +10,6 @@ bug in the proxy and must be loud.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from proxy.codec.wire import AppErrorType, Framing, Protocol
 
@@ -54,7 +53,7 @@ class ProtocolError(Exception):
         self.whole = False
         # A THeader request's header block, when it was read before the error: its headers
         # (the client's trace context) still hold for the proxy's answer.
-        self.header_block: Any = None  # a codec.theader.HeaderBlock
+        self.header_block = None
 
     def with_head(self, head: Head | None) -> "ProtocolError":
         if head is not None and self.head is None:
