@@ -114,6 +114,7 @@ sidecar() {  # sidecar NAME TRACING: a --sidecar definition for the harness
   echo "$1=env SIDECAR_TRACING=$2 SIDECAR_OTLP_ENDPOINT=$otlp $(printf %q "$adapter")"
 }
 pyrelay=(--sidecar "pyrelay=$(printf %q "$shared/adapters/pyrelay.sh")")
+splicerelay=(--sidecar "splicerelay=$(printf %q "$here/splicerelay.sh")")
 
 status=0
 run() {  # run LABEL ARGS...: one harness invocation, uptime around it, output also to $log
@@ -169,15 +170,16 @@ fi
 if [[ $only = "" || $only = large ]]; then
   # A ~10 MB reply (issue 10: adds <= 2 ms) and a 10 MB echo (the request streams too), not
   # among the harness's workloads: bench/large.py adds them to the harness's table and runs the
-  # same driver. Envoy passthrough, the Python relay
-  # and the sidecar with tracing off, each against direct in the same round.
+  # same driver. Envoy passthrough, the Python relay, the splice(2) relay (bench/splicerelay.py:
+  # no byte read, the machine's floor for a large message) and the sidecar with tracing off,
+  # each against direct in the same round.
   mapfile -t off < <(sidecar sidecar-off off)
   # large.py imports the harness's driver.py (run.sh's own entry point does the Go build first)
   bindir=$("$shared/run.sh" --build-only)
   run_with "framed/binary: users10m (~10 MB reply), echo10m (10 MB request and reply)" "$here/large.py" \
     --bin-dir "$bindir" --transport framed --protocol binary \
-    --targets direct,envoy-pt,pyrelay,sidecar-off --workloads users10m,echo10m \
-    "${pyrelay[@]}" "${off[@]}" --out "$results/bench-$stamp-large.json"
+    --targets direct,envoy-pt,pyrelay,splicerelay,sidecar-off --workloads users10m,echo10m \
+    "${pyrelay[@]}" "${splicerelay[@]}" "${off[@]}" --out "$results/bench-$stamp-large.json"
 fi
 
 {

@@ -113,3 +113,28 @@ def test_cli_prints_the_table_or_json(tmp_path, capsys, as_json):
         assert rows[0]["target"] == "ping1, default tracing: added p50" and rows[0]["met"] is True
     else:
         assert out.startswith("| target | bound | measured | ratio | met |")
+
+
+def test_each_row_says_what_the_floor_makes_of_its_bound(tmp_path):
+    prefix = tmp_path / "bench-5"
+    framed = _framed() + [
+        _row("ping32", "pyrelay", rps=33_000.0, proxy_cpu_us_per_call=17.0),  # 1.1 x 30,000/s: short of 1.25
+        _row("users1", "pyrelay", added_p50_us=150.0),
+    ]
+    _write_run(prefix, framed=framed, buffered=[_row("users1", "pyrelay", added_p50_us=330.0)],
+               large=[_row("users10m", "sidecar-off", added_p50_us=2600.0),
+                      _row("users10m", "splicerelay", added_p50_us=1900.0),
+                      _row("users10m", "pyrelay", added_p50_us=4100.0)])
+    by = _by_target(targets.check(*targets.load(prefix)))
+    assert by["ping32: calls/s"].floor == "pyrelay 1.100 (misses it too)"
+    assert by["ping32: proxy CPU per call"].floor == "pyrelay 0.486 (meets it)"   # 17 / 35
+    assert by["ping1, default tracing: added p50"].floor == "pyrelay 0.350 (meets it)"
+    assert by["users1 (945 KB reply): added p50"].floor == "pyrelay 0.300 (meets it)"
+    assert by["buffered users1: added p50"].floor == "pyrelay 2.200 (misses it too)"  # 330 / 150
+    assert by["10 MB reply (users10m): added p50"].floor == \
+        "splicerelay +1.90 ms (meets it); pyrelay +4.10 ms (misses it too)"
+    assert by["10 MB reply (users10m): added p50"].met is False
+    # no floor figure for a target whose reference is the floor itself, or without its figures
+    assert by["ping1, tracing off: added p50"].floor == ""
+    assert by["echo64k8: added p50"].floor == ""
+    assert "| pyrelay 1.100 (misses it too) |" in targets.table(list(by.values()))
