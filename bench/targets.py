@@ -10,9 +10,9 @@ this table at the end of every run.
 Each row also says what the floor makes of the same bound (`floor`): the plain uvloop relay
 (`pyrelay`, no Thrift parsing or pooling: the floor for any Python proxy) in its place, and for
 the 10 MB reply also `splicerelay` (bench/splicerelay.py: every byte moved by splice(2), none
-read: the floor for any proxy on this machine). A target the floor misses too is beyond what
-the machine or the language gives, whatever the proxy does; that is the evidence the issue asks
-for on a target not met.
+read: the floor for a large message on this machine). A target the floor misses too in a run
+was beyond what the machine or the language gave in that run, whatever the proxy does; one the
+floor meets and the sidecar misses is the sidecar's own cost (bench/README says where it goes).
 
     .venv/bin/python bench/targets.py ~/.cache/thrift-sidecar/bench/results/bench-20261122-213512
     .venv/bin/python bench/targets.py --json PREFIX        # the rows as JSON
