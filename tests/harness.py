@@ -286,6 +286,7 @@ class ThriftServer:
         self.port = port
         self.connections = 0           # accepted so far
         self._lsock: socket.socket | None = None
+        self._held: socket.socket | None = None  # the port while down (stop(hold_port=True))
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._running = False
@@ -307,10 +308,14 @@ class ThriftServer:
     def start(self) -> None:
         s = socket.socket()
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # (beside a stop(hold_port=True)'s socket)
         s.bind(("127.0.0.1", self.port))
         s.listen(512)
         self.port = s.getsockname()[1]
         self._lsock = s
+        if self._held is not None:  # listening again: the port is ours without it
+            self._held.close()
+            self._held = None
         self._running = True
         threading.Thread(target=self._accept_loop, args=(s,), daemon=True).start()
 
@@ -354,9 +359,24 @@ class ThriftServer:
             except OSError:
                 pass
 
-    def stop(self) -> None:
-        """Close the listener and every connection (the upstream is down)."""
+    def stop(self, hold_port: bool = False) -> None:
+        """Close the listener and every connection (the upstream is down).
+
+        `hold_port`: the port stays bound (a socket that does not listen: connecting to it is
+        refused, as to a closed port) until start() listens on it again. Without it, a
+        connection's own end could take the freed port meanwhile (an ephemeral port, the
+        proxy's or a client's, even the proxy dialling this port), and start() could not bind
+        it: a restart on the same port fails now and then."""
         self._running = False
+        if hold_port and self._lsock is not None and self._held is None:
+            held = socket.socket()
+            held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            held.bind(("127.0.0.1", self.port))  # (before the listener closes: no moment unbound)
+            self._held = held
+        elif not hold_port and self._held is not None:  # (down for good: the port goes too)
+            self._held.close()
+            self._held = None
         if self._lsock is not None:
             try:  # wakes the thread blocked in accept(); close() alone leaves it listening
                 self._lsock.shutdown(socket.SHUT_RDWR)

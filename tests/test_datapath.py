@@ -277,7 +277,7 @@ def test_proxy_error_read_by_multiplexed_client():
 def test_upstream_down_not_sent_then_recovers(framing, protocol, service):
     up = ThriftServer(framing, protocol, multiplexed=service is not None)
     port = up.port
-    up.stop()
+    up.stop(hold_port=True)  # (refused meanwhile; no other socket can take the port)
     try:
         with Proxy(config_text([f"127.0.0.1:{port}"], transport=framing, protocol=protocol)) as p:
             with socket.create_connection(("127.0.0.1", p.port())) as s:

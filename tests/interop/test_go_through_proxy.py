@@ -84,7 +84,7 @@ def test_go_oneway_sent_as_call_then_call_on_same_connection(go_client, transpor
 def test_go_client_gets_not_sent_then_recovers(go_client, transport, protocol, multiplex):
     up = ThriftServer(transport, protocol, multiplexed=multiplex)
     port = up.port
-    up.stop()
+    up.stop(hold_port=True)  # (refused meanwhile; no other socket can take the port)
     try:
         with Proxy(config_text([f"127.0.0.1:{port}"], transport=transport, protocol=protocol)) as p:
             rc, lines, detail = run_go(go_client, p.port(), transport, protocol, "errors",
