@@ -27,7 +27,6 @@ import socket
 import sys
 
 CHUNK = 1 << 20      # bytes asked of one splice from a socket (and the pipe's capacity asked for)
-F_SETPIPE_SZ = 1031
 FLAGS = os.SPLICE_F_NONBLOCK | os.SPLICE_F_MOVE if hasattr(os, "splice") else 0
 
 
@@ -38,7 +37,7 @@ class Direction:
         self.loop, self.src, self.dst, self.on_end = loop, src, dst, on_end
         self.r, self.w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         try:
-            fcntl.fcntl(self.w, F_SETPIPE_SZ, CHUNK)
+            fcntl.fcntl(self.w, fcntl.F_SETPIPE_SZ, CHUNK)
         except OSError:
             pass  # the default capacity, then
         self.in_pipe = 0
@@ -76,7 +75,7 @@ class Direction:
         return True
 
     def _writable(self) -> None:
-        if self._drain() and not self.closed:
+        if self._drain():  # (False too when writing failed: closed then)
             self.loop.remove_writer(self.dst)
             self.waiting_dst = False
             self.loop.add_reader(self.src, self._readable)

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "splice"), reason="os.splice: Li
 
 
 def _echo_server():
-    """A thread that echoes each accepted connection's bytes until it closes; returns its port."""
+    """A thread that echoes each accepted connection's bytes until it closes; returns its listening
+    socket (closing it stops the thread)."""
     lsock = socket.create_server(("127.0.0.1", 0))
 
     def serve_one(conn):
