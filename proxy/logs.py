@@ -103,14 +103,34 @@ def bounded(message: str) -> str:
 
 class TextFormatter(logging.Formatter):
     """`%(asctime)s %(levelname)s %(name)s: %(message)s`, the message on one line (bounded,
-    control characters escaped)."""
+    control characters escaped). A record's structured `fields` (an access-log line's hop
+    timings, what the JSON format puts in the object) follow it as `key=value` pairs (logfmt),
+    those that are None left out; a value with a space, `"` or `=` is quoted."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def formatMessage(self, record: logging.LogRecord) -> str:
-        record.message = escape_controls(bounded(record.message))
+        message = bounded(record.message)
+        fields = getattr(record, "fields", None)
+        if fields:
+            message = f"{message} {logfmt(fields)}"
+        record.message = escape_controls(message)
         return super().formatMessage(record)
+
+
+def logfmt(fields: dict) -> str:
+    """`fields` as `key=value` pairs, None values left out: `total_ms=1.25 error="not sent: …"`."""
+    out = []
+    for key, value in fields.items():
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            value = json.dumps(value, default=str) if isinstance(value, (list, dict)) else str(value)
+        if not value or any(c in value for c in ' "='):
+            value = json.dumps(value, ensure_ascii=False)
+        out.append(f"{key}={value}")
+    return " ".join(out)
 
 
 class JsonFormatter(logging.Formatter):

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
+
+import pytest
+from thrift.Thrift import TApplicationException
 
 from proxy.clock import ManualClock
 from proxy.logs import Throttle
@@ -153,3 +157,49 @@ clusters:
         out = p.output()
     assert out.count("connection closed inside a message") == 1, out[-3000:]
     assert out.count("has max_connections 3 open: refusing new connections") == 1, out[-3000:]
+
+
+def test_text_access_log_lines_carry_the_hop_timings():
+    """`access_log: true` with the text format: each call's line has its hop timings, endpoint and
+    error as key=value pairs after the message, as the JSON format has them as keys. Before: only
+    `INFO proxy.access: TestService ping ok`, the timings lost (the text formatter ignored the
+    record's fields). A call with no route has no endpoint: the pair is left out, not `None`."""
+    from harness import ProxyProcess, ThriftServer, client, free_port, wait_for
+
+    up = ThriftServer()
+    port = free_port()
+    text = f"""
+logging: {{format: text, level: info, access_log: true}}
+listeners:
+  - name: test
+    service: TestService
+    listen: 127.0.0.1:{port}
+    routes:
+      - match: {{method: ping}}
+        cluster: up
+clusters:
+  - name: up
+    endpoints: [{up.address}]
+"""
+    try:
+        with ProxyProcess(text, [port]) as p:
+            with client(port) as c:
+                c.ping()
+                with pytest.raises(TApplicationException):
+                    c.lookup("k")
+
+            def access() -> list[str]:
+                return [ln for ln in p.output().splitlines() if " INFO proxy.access: " in ln]
+
+            wait_for(lambda: len(access()) >= 2, timeout=5, what="2 access-log lines")
+            ping, lookup = access()
+    finally:
+        up.stop()
+    assert " TestService ping success " in ping, ping
+    for key in ("total_ms", "read_request_ms", "acquire_ms", "write_upstream_ms", "service_time_ms",
+                "read_response_ms", "write_response_ms", "request_bytes", "reply_bytes"):
+        assert re.search(rf" {key}=\d+(\.\d+)?( |$)", ping), (key, ping)
+    assert f" endpoint={up.address} " in ping and " attempts=1 " in ping, ping
+    assert " error=" not in ping, ping
+    assert " TestService lookup no_route " in lookup and " endpoint=" not in lookup, lookup
+    assert re.search(r' error="no route: method \'lookup\' on listener \'test\'"', lookup), lookup
