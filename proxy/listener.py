@@ -981,8 +981,12 @@ class ClientConnection(asyncio.Protocol):
         oneway = self.state.pipeline.oneway_methods
         return bool(oneway) and bool(name) and (name in oneway or name[name.find(":") + 1:] in oneway)
 
-    def _protocol_error(self, e: ProtocolError) -> None:
-        self.state.stats["protocol_errors"] += 1
+    def _protocol_error(self, e: ProtocolError, event: str | None = "protocol_errors") -> None:
+        """Answer a bad request (with its seqid and name when its head could be read) and close.
+        `event`: the listener counter it adds to (None: the caller counted it as another kind,
+        so the two listener_events_total series never count one connection's close twice)."""
+        if event is not None:
+            self.state.stats[event] += 1
         dec = self.decoder
         if self.settings.framing is None or self.settings.protocol is None:
             e.message = SETTING_HINT.sub(self._auto_hint, e.message)
@@ -1168,7 +1172,7 @@ class ClientConnection(asyncio.Protocol):
             return
         self._protocol_error(ProtocolError(
             f"bad request: request not complete within request_read_timeout {timeout:g}s "
-            f"({self.decoder.buffered} bytes received)"))
+            f"({self.decoder.buffered} bytes received)"), event=None)  # (a read_timeout, counted above)
 
     def _arm_idle(self) -> None:
         loop = self.state.loop

@@ -617,3 +617,37 @@ def test_listener_and_limit_refusals_are_on_the_page():
     assert ("thrift_sidecar_client_connections", (("listener", "test"),)) in samples
     pending = samples[("thrift_sidecar_cluster_overflow_total", (("cluster", "up"), ("limit", "pending")))]
     assert pending >= 1 and pending == sum("max_pending" in m for m in refused), (pending, refused)
+
+
+def test_a_request_read_timeout_is_one_event_not_also_a_protocol_error():
+    """Half a request left past request_read_timeout: the client is answered and closed, and
+    listener_events_total counts it once, as read_timeout. Before: it counted as protocol_error
+    too (the timeout answered through the bad-request path, which counted again), so summing the
+    event kinds counted such a connection twice. A malformed request still counts as protocol_error."""
+    import socket
+
+    from harness import Proxy, ThriftServer, config_text
+
+    up = ThriftServer()
+    text = config_text([up.address], extra_listener="\n    request_read_timeout: 200ms")
+    try:
+        with Proxy(text) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(b"\x00\x00\x00\x40\x80\x01")  # 2 of a 64-byte frame's bytes
+                s.settimeout(5)
+                answer = b""
+                while chunk := s.recv(4096):
+                    answer += chunk
+            assert b"request_read_timeout" in answer, answer
+            with socket.create_connection(("127.0.0.1", p.port())) as s:  # a malformed one
+                s.sendall(b"\x00\x00\x00\x05hello")
+                s.settimeout(5)
+                while s.recv(4096):
+                    pass
+            time.sleep(0.1)
+            page = p.call(lambda: p.server.metrics.exposition()).decode()
+    finally:
+        up.stop()
+    events = {s.labels["event"]: s.value for f in text_string_to_metric_families(page) for s in f.samples
+              if s.name == "thrift_sidecar_listener_events_total" and s.labels.get("listener") == "test"}
+    assert events.get("read_timeout") == 1 and events.get("protocol_error") == 1, events
