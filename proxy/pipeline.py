@@ -153,6 +153,9 @@ class Pipeline:
         if limits is not None:
             if not limits.try_enter_request():
                 self.stats["limit_rejections"] += 1
+                policy = self._policy(route)
+                if policy is not None and policy.attempts > 1:
+                    call.no_retry = "not retried: calls over max_requests fail fast"
                 self._give_up(call, UpstreamError(
                     f"cluster '{cluster.name}' has max_requests {limits.max_requests} calls in flight",
                     written=False, endpoint_fault=False))
@@ -928,8 +931,8 @@ class Pipeline:
             if ran is not None:
                 text += f"; attempt {ran.number} may have run: {ran.error}"
         tries = len(call.attempts)
-        if call.no_retry or tries > 1:
-            said = f"{tries} attempt{'' if tries == 1 else 's'}"
+        if call.no_retry or tries != 1:
+            said = "no attempt made" if not tries else f"{tries} attempt{'' if tries == 1 else 's'}"
             text += f" ({said}; {call.no_retry})" if call.no_retry else f" ({said})"
         self.fail(call, AppErrorType.INTERNAL_ERROR, text)
 

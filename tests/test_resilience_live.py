@@ -552,7 +552,7 @@ def test_no_endpoint_errors_say_why(tmp_path):
         with pytest.raises(TApplicationException) as e:
             c.lookup("x")
     assert e.value.message == ("thrift-sidecar: not sent: cluster 'up' has no endpoints; "
-                               "file discovery: missing or unreadable"), e.value.message
+                               "file discovery: missing or unreadable (no attempt made)"), e.value.message
 
     dead = "127.0.0.1:1"  # connect refused: one failure ejects it (and never panics at 100%)
     text = cfg([dead], cluster_extra="\n    circuit_breaker: {consecutive_failures: 1, open_for: 30s, "
@@ -563,7 +563,38 @@ def test_no_endpoint_errors_say_why(tmp_path):
         with pytest.raises(TApplicationException) as e:
             c.lookup("y")
     assert e.value.message == ("thrift-sidecar: not sent: no endpoint available in cluster 'up': 1 endpoint(s), "
-                               "1 ejected (breaker open), 0 failing health checks"), e.value.message
+                               "1 ejected (breaker open), 0 failing health checks (no attempt made)"), e.value.message
+
+
+@pytest.mark.parametrize("retry", [False, True])
+def test_a_call_over_max_requests_says_no_attempt_was_made_and_why_not_retried(retry):
+    """A call refused by the cluster's max_requests never had an attempt: its error says so (as
+    every failed call's error says how many attempts were made) and, on a route that retries,
+    why this one was not. Before: only "not sent: cluster 'up' has max_requests 1 calls in
+    flight", on a route with 3 attempts too."""
+    up = ThriftServer()
+    up.handler.sleep_ms = 500
+    route = "\n        retry: {attempts: 3, idempotent: true}" if retry else ""
+    errors = []
+    try:
+        with Proxy(cfg([up], route_extra=route, cluster_extra="\n    limits: {max_requests: 1}")) as p:
+            def slow() -> None:
+                with client(p.port()) as c:
+                    c.lookup("slow")
+
+            holder = threading.Thread(target=slow)
+            holder.start()
+            wait_for(lambda: p.server.clusters["up"].limits.requests == 1, timeout=5, what="a call in flight")
+            with client(p.port()) as c:
+                with pytest.raises(TApplicationException) as e:
+                    c.lookup("refused")
+                errors.append(e.value.message)
+            holder.join(10)
+    finally:
+        up.stop()
+    why = "; not retried: calls over max_requests fail fast" if retry else ""
+    assert errors == [f"thrift-sidecar: not sent: cluster 'up' has max_requests 1 calls in flight "
+                      f"(no attempt made{why})"], errors
 
 
 class Hung(RawUpstream):
