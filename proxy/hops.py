@@ -311,7 +311,12 @@ def load_jsonl(path: str, bad: list[str] | None = None) -> list[Span]:
             except json.JSONDecodeError as e:
                 why = f"{path}:{n}: not JSON: {e.msg}"
             else:
-                if isinstance(obj, dict):
+                if isinstance(obj, dict) and "resourceSpans" not in obj:
+                    why = f"{path}:{n}: not an ExportTraceServiceRequest: no resourceSpans"
+                    if "context" in obj and "name" in obj:  # (`exporter: console`'s span objects)
+                        why += (" (a span object, as exporter console prints them: hops reads the "
+                                "file exporter jsonl writes)")
+                elif isinstance(obj, dict):
                     try:
                         out.extend(parse_otlp_request(obj))
                         good += 1
@@ -394,6 +399,16 @@ def load_jaeger(url: str, service: str, limit: int = 1000, lookback: float = 360
         return parse_jaeger(payload, service)
     except (AttributeError, TypeError, KeyError, ValueError) as e:  # any other JSON answer
         raise HopsError(f"{full}: not a Jaeger /api/traces answer ({type(e).__name__}: {e})") from e
+
+
+def jaeger_services(url: str, timeout: float = 5.0) -> list[str] | None:
+    """The services Jaeger has traces of (GET {url}/api/services), or None when it cannot say."""
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/api/services", timeout=timeout) as resp:
+            data = json.load(resp).get("data")
+    except (OSError, ValueError, AttributeError):  # (URLError and HTTPError are OSErrors)
+        return None
+    return [str(x) for x in data] if isinstance(data, list) else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -711,6 +726,12 @@ def run(args) -> int:
             all_spans = load_jaeger(args.jaeger, args.service, limit=getattr(args, "limit", 1000) or 1000,
                                     lookback=lookback)
             source = f"{args.jaeger} (service {args.service})"
+            if not all_spans:
+                known = jaeger_services(args.jaeger)
+                if known is not None and args.service not in known:
+                    print(f"thrift-sidecar hops: {args.jaeger} has no service {args.service!r}; it has: "
+                          f"{', '.join(sorted(known)) or 'none'} (--service is the sidecar's "
+                          "tracing.service_name)", file=sys.stderr)
     except HopsError as e:
         print(f"thrift-sidecar hops: {e}", file=sys.stderr)
         return 2

@@ -507,6 +507,29 @@ def test_lines_of_another_shape_are_skipped_and_said(tmp_path):
     assert re.search(rf"^{SERVICE}/list_users: 6 calls", r.stdout, re.M), r.stdout  # the first line's, and kept's
 
 
+def test_json_objects_that_are_no_request_are_skipped_and_said(tmp_path):
+    """A JSON object with no resourceSpans (`{"foo": 1}`, or a span as `exporter: console` prints
+    it) is no request: skipped and named, like any other line of another shape. Before: read as
+    a request with no spans, silently ("0 calls", nothing on stderr)."""
+    import json
+
+    path = write_span_file(tmp_path / "spans.jsonl", slow_reader_large(3))
+    good = len(Path(path).read_text().splitlines())
+    console = {"name": "UserService/list_users", "context": {"trace_id": "0x1", "span_id": "0x2"},
+               "kind": "SpanKind.SERVER"}
+    with open(path, "a") as f:
+        f.write(json.dumps({"foo": 1}) + "\n" + json.dumps(console) + "\n")
+    r = hops("--spans", path)
+    assert f"{path}:{good + 1}: not an ExportTraceServiceRequest: no resourceSpans (line skipped)" in r.stderr, r.stderr
+    assert (f"{path}:{good + 2}: not an ExportTraceServiceRequest: no resourceSpans (a span object, as "
+            "exporter console prints them: hops reads the file exporter jsonl writes) (line skipped)") in r.stderr
+    assert re.search(rf"^{SERVICE}/list_users: 3 calls", r.stdout, re.M), r.stdout
+    only = tmp_path / "console.jsonl"
+    only.write_text(json.dumps(console) + "\n")
+    r = hops("--spans", str(only), check=False)
+    assert r.returncode == 2 and "a span object, as exporter console prints them" in r.stderr, r.stderr
+
+
 def test_server_spans_of_other_instrumentation_are_no_calls(tmp_path):
     """A collector's file holds an instrumented upstream's spans too: its SERVER span is a child
     of our CLIENT attempt. It is no call of the sidecar's (before: counted as one, with all its

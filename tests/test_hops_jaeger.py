@@ -129,8 +129,19 @@ def test_otlp_export_to_jaeger_and_hops_from_it(jaeger_server, tmp_path, protoco
 
 
 def test_hops_jaeger_unknown_service_has_no_calls(jaeger_server):  # noqa: F811
-    r = th.hops("--jaeger", jaeger_server.query_url, "--service", f"nobody-{uuid.uuid4().hex[:8]}", check=False)
+    """No calls, exit 1, and stderr names the services Jaeger does have (a demo exports as
+    thrift-sidecar-demo, not the README example's thrift-sidecar). Before: only "no calls"."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"{jaeger_server.query_url}/api/services", timeout=10) as resp:
+        known = json.load(resp)["data"] or []
+    name = f"nobody-{uuid.uuid4().hex[:8]}"
+    r = th.hops("--jaeger", jaeger_server.query_url, "--service", name, check=False)
     assert r.returncode == 1 and th.verdict_of(r.stdout) == "verdict: no calls to analyse"
+    said = f"{jaeger_server.query_url} has no service '{name}'; it has: "
+    assert said in r.stderr, r.stderr
+    assert all(k in r.stderr for k in known), (known, r.stderr)
 
 
 def test_hops_jaeger_unreachable_exits_2():
