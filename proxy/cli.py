@@ -9,6 +9,7 @@ import argparse
 import errno
 import os
 import sys
+from pathlib import Path
 
 
 def _version() -> str:
@@ -72,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     given = check.add_mutually_exclusive_group(required=True)
     given.add_argument("file", metavar="FILE", nargs="?")
     given.add_argument("-c", "--config", dest="config_file", metavar="FILE", help="the same, as `run` takes it")
+    check.add_argument("--strict", action="store_true",
+                       help="exit 2, too, when `run` could not start with it on this machine (TLS or span "
+                            "files it names cannot be used); without it they are warnings")
 
     demo = sub.add_parser("demo", help="run the demo: upstreams, sidecar, clients, hop table")
     demo.add_argument("--out", default="out/demo", metavar="DIR",
@@ -164,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "check-config":
-        return _check_config(args.file or args.config_file)
+        return _check_config(args.file or args.config_file, args.strict)
     if args.command == "run":
         # SIGHUP's default action ends the process: until the server handles it (once it is
         # up), a reload asked for is noted here (before the server's heavy imports) and done then.
@@ -188,7 +192,10 @@ def _main(argv: list[str] | None) -> int:
     raise AssertionError(args.command)
 
 
-def _check_config(path: str) -> int:
+def _check_config(path: str, strict: bool = False) -> int:
+    """Exit 0 and the summary for a valid file, 2 and its errors for one that is not. What `run`
+    could not start with *here* (a TLS or span file) is said as a warning, an error with
+    `--strict`: a config is often checked away from the machine whose files it names."""
     from proxy.config import ConfigError, load, summary
     try:
         cfg = load(path)
@@ -199,5 +206,20 @@ def _check_config(path: str) -> int:
     except OSError as e:
         print(f"{path}:0: (file): {e.strerror}", file=sys.stderr)
         return 2
+    from proxy.server import StartError, start_problems
+    problems = [p.line(path) for p in start_problems(cfg)]
+    if problems and strict:
+        for line in problems:
+            print(line, file=sys.stderr)
+        return 2
     print(summary(cfg))
+    for line in problems:
+        print(f"warning: {line} (`run` would refuse it on this machine; --strict makes this an error)",
+              file=sys.stderr)
+    for i, c in enumerate(cfg.clusters):  # allowed (file discovery waits for it), but maybe a mistake
+        f = c.endpoints.file
+        if f is not None and not Path(f).exists():
+            said = StartError(("clusters", i, "endpoints", "file"),
+                              f"{f} does not exist (yet): cluster '{c.name}' has no endpoints until it does")
+            print(f"warning: {said.line(path)}", file=sys.stderr)
     return 0

@@ -36,6 +36,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from proxy import config as cfgmod
@@ -90,6 +91,37 @@ def _tls_start_error(config: cfgmod.Config, e: TlsError) -> StartError:
     """A cluster's TLS files cannot be used: said at its `tls` key."""
     i = next((i for i, c in enumerate(config.clusters) if c.name == e.cluster), 0)
     return StartError(("clusters", i, "tls", e.field), f"cannot use {e.detail}")
+
+
+def start_problems(config: cfgmod.Config) -> list[StartError]:
+    """What `run` would refuse in a valid config, found without starting anything (for
+    `check-config`): a cluster's TLS files that cannot be used, a span file that cannot be
+    opened. (Addresses are not tried: one free now may be taken at start, and the reverse.)"""
+    problems: list[StartError] = []
+    for c in config.clusters:
+        if c.tls is not None:
+            try:
+                client_context(c.tls, c.name)
+            except TlsError as e:
+                problems.append(_tls_start_error(config, e))
+    t = config.tracing
+    if t.exporter == "jsonl" and t.path is not None:
+        why = _cannot_append(Path(t.path))
+        if why:
+            problems.append(StartError(("tracing", "path"), f"cannot open {t.path}: {why}"))
+    return problems
+
+
+def _cannot_append(path: Path) -> str | None:
+    """Why a file could not be opened to append to (created if missing), or None; nothing is created."""
+    if path.exists():
+        if path.is_dir():
+            return os.strerror(errno.EISDIR)
+        return None if os.access(path, os.W_OK) else os.strerror(errno.EACCES)
+    parent = path.parent
+    if not parent.is_dir():
+        return os.strerror(errno.ENOENT if not parent.exists() else errno.ENOTDIR)
+    return None if os.access(parent, os.W_OK | os.X_OK) else os.strerror(errno.EACCES)
 
 
 class ListenError(StartError):

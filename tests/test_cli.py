@@ -96,16 +96,55 @@ def test_run_listen_port_in_use_exits_2_with_file_line_error(tmp_path):
      "tracing.exporter: cannot set up the OTLP exporter: Invalid IPv6 URL (from the OTEL_EXPORTER_OTLP_* variables)"),
 ], ids=["tls_ca_missing", "span_file_folder_missing", "otlp_env_certificate_missing", "otlp_env_endpoint_bad"])
 def test_run_with_a_file_it_cannot_use_exits_2_with_file_line_error(tmp_path, extra, env, line, expected):
-    """check-config passes (the file is valid); `run` cannot start with it: one line said like a
-    config error, exit 2, no traceback (before: a traceback and exit 1; an OTLP certificate named by
-    the environment was blamed on tracing.path)."""
+    """`run` cannot start with a valid file: one line said like a config error, exit 2, no
+    traceback (before: a traceback and exit 1; an OTLP certificate named by the environment was
+    blamed on tracing.path). check-config says the same for the files the config names: a warning,
+    an error with --strict (before: nothing, so a check let through what `run` then refused); the
+    environment's OTLP settings are `run`'s to try."""
     cfg = tmp_path / "c.yaml"
     cfg.write_text("listeners:\n  - name: a\n    listen: 127.0.0.1:0\n    routes: [{cluster: c}]\n"
                    "clusters:\n  - name: c\n    endpoints: [127.0.0.1:2]\n" + extra)
+    said = f"{cfg}:{line}: " + expected.format(dir=tmp_path)
     r = _cli("run", "-c", str(cfg), env=env)
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.strip().splitlines()[-1] == f"{cfg}:{line}: " + expected.format(dir=tmp_path), r.stderr
+    assert r.stderr.strip().splitlines()[-1] == said, r.stderr
+    c = _cli("check-config", "--strict", str(cfg), env=env)
+    if "OTEL_EXPORTER" in expected:
+        assert c.returncode == 0, c.stderr
+    else:
+        assert (c.returncode, c.stderr.strip()) == (2, said), c.stderr
+        c = _cli("check-config", str(cfg), env=env)  # (without --strict: a warning)
+        assert c.returncode == 0 and c.stderr.strip() == (
+            f"warning: {said} (`run` would refuse it on this machine; --strict makes this an error)"), c.stderr
+
+
+def test_check_config_says_every_file_run_could_not_use_and_notes_a_missing_endpoints_file(tmp_path):
+    """--strict: two clusters' TLS files (one missing, one not PEM) and a span file in a folder
+    that is a file: all said at once, FILE:LINE: key: why, exit 2, nothing created. A missing
+    endpoints file is allowed (file discovery waits for it) but warned of, even with --strict."""
+    (tmp_path / "junk.pem").write_text("not a certificate\n")
+    (tmp_path / "afile").write_text("")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("listeners:\n  - name: a\n    listen: 127.0.0.1:0\n    routes: [{cluster: c}]\n"
+                   "clusters:\n"
+                   "  - name: c\n    endpoints: [127.0.0.1:2]\n    tls: {ca: nope.pem}\n"
+                   "  - name: d\n    endpoints: [127.0.0.1:3]\n    tls: {ca: junk.pem}\n"
+                   "tracing: {exporter: jsonl, path: afile/s.jsonl}\n")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    r = _cli("check-config", "--strict", str(cfg), cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [
+        f"{cfg}:8: clusters[0].tls.ca: cannot use {tmp_path}/nope.pem: No such file or directory",
+        f"{cfg}:11: clusters[1].tls.ca: cannot use {tmp_path}/junk.pem: NO_CERTIFICATE_OR_CRL_FOUND",
+        f"{cfg}:12: tracing.path: cannot open afile/s.jsonl: Not a directory"], r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    cfg.write_text("listeners:\n  - name: a\n    listen: 127.0.0.1:0\n    routes: [{cluster: c}]\n"
+                   "clusters:\n  - name: c\n    endpoints: {file: later.yaml}\n")
+    r = _cli("check-config", "--strict", str(cfg))
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines() == [f"warning: {cfg}:7: clusters[0].endpoints.file: {tmp_path}/later.yaml does "
+                                     "not exist (yet): cluster 'c' has no endpoints until it does"], r.stderr
 
 
 def test_run_with_an_unresolvable_listen_host_says_why(tmp_path):
@@ -250,7 +289,7 @@ def test_check_config_into_a_pipe_closed_early_says_nothing_more():
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
-@pytest.mark.parametrize("args", [["check-config", "config/example.yaml"], ["--help"], ["--version"],
+@pytest.mark.parametrize("args", [["check-config", "config/minimal.yaml"], ["--help"], ["--version"],
                                   ["run", "--help"]])
 def test_output_into_a_full_disk_is_said_in_a_line_and_fails(args):
     """Also argparse's help and version texts (before: argparse dropped the error, exit 0). With
