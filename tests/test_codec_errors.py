@@ -626,3 +626,23 @@ def test_a_truncated_zlib_request_is_scanned_as_far_as_it_inflates():
         else:
             with pytest.raises(ProtocolError, match="a second message in one frame"):
                 d.next_message()
+
+
+def test_an_unversioned_message_on_an_auto_listener_is_said_to_need_binary_nonstrict():
+    """Auto framing and protocol cannot tell an unversioned (non-strict) binary message from a
+    frame (both begin with an i32 length): refused, and the error says what would read it; with
+    the protocol set to binary_nonstrict, auto framing reads the same bytes. Before: only "cannot
+    detect framing and protocol from the first bytes (...)"."""
+    name = b"ping"
+    body = struct.pack("!i", len(name)) + name + struct.pack("!bi", 1, 7) + b"\x00"
+    frame = struct.pack("!i", len(body)) + body
+    d = Decoder(None, None)
+    d.feed(frame)
+    with pytest.raises(ProtocolError) as e:
+        d.next_message()
+    assert e.value.message.endswith("; an unversioned binary message is detected only with the listener's "
+                                    "protocol set to binary_nonstrict)"), e.value.message
+    d = Decoder(None, Protocol.BINARY_NONSTRICT)
+    d.feed(frame)
+    msg = d.next_message()
+    assert (msg.name, msg.seqid, d.framing) == ("ping", 7, Framing.FRAMED)

@@ -476,7 +476,8 @@ class Decoder:
             self._set(Framing.FRAMED, None)
             return True
         raise ProtocolError("bad request: cannot detect framing and protocol from the first bytes "
-                            f"({bytes(buf[off:off + 10]).hex()})")
+                            f"({bytes(buf[off:off + 10]).hex()}; an unversioned binary message is detected "
+                            "only with the listener's protocol set to binary_nonstrict)")
 
     def _detect_nesting(self, buf, off: int, end: int) -> bool:
         """Configured HEADER: is the THeader frame plain or nested in a framed frame? False = need more."""
