@@ -364,8 +364,12 @@ def _demo(args) -> int:
     tee = telemetry.exporter if isinstance(telemetry.exporter, TeeExporter) else None
     if tee is not None:
         host = urlsplit(otlp).hostname or "127.0.0.1"
-        print(f"OTLP {otlp}: {tee.sent} spans exported, {tee.dropped} not; from Jaeger: "
-              f"thrift-sidecar hops --jaeger http://{host}:16686 --service {config.tracing.service_name}")
+        if tee.sent:
+            print(f"OTLP {otlp}: {tee.sent} spans exported, {tee.dropped} not; from Jaeger (its query API, "
+                  f"port 16686 unless you moved it): thrift-sidecar hops --jaeger http://{host}:16686 "
+                  f"--service {config.tracing.service_name}")
+        else:
+            print(f"OTLP {otlp}: no span exported ({tee.dropped} not): the log above says why")
     print(f"demo finished in {time.monotonic() - started:.1f} s")
     if info.get("client_rc") != 0 or verdict_hop is None:
         return 1

@@ -410,7 +410,7 @@ class OtlpExporter(SpanExporter):
                     return self._failed(failure.reason, n + 1)
                 log.debug("OTLP export: %s; retrying in %.2f s", failure.reason, delay)
                 if self._stop.wait(delay):
-                    return self._failed("shutting down", n + 1)
+                    return self._failed(f"{failure.reason} (no more tries: shutting down)", n + 1)
         except Exception as e:  # noqa: BLE001 - the export worker must never see an exception from here
             return self._failed(f"{type(e).__name__}: {e}", 0)
         return SpanExportResult.FAILURE  # not reached

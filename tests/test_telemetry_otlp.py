@@ -596,3 +596,23 @@ def test_a_collectors_retry_after_holds_the_next_exports_back():
         exporter.shutdown()
     finally:
         receiver.stop()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_an_export_cut_by_shutdown_in_its_backoff_says_why_it_failed(protocol, caplog):
+    """A collector that refuses connections, and a shutdown during the retry's backoff: the
+    warning names the refusal, not only "shutting down" (which the demo printed for a wrong
+    THRIFT_SIDECAR_DEMO_OTLP, hiding the cause)."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exporter = OtlpExporter(settings=settings_for(protocol, port, timeout=10.0), backoff_base=0.5)
+    threading.Timer(0.3, exporter.shutdown).start()
+    with caplog.at_level(logging.WARNING, logger="proxy.otlp_transport"):
+        t0 = time.monotonic()
+        assert exporter.export_request(b"") == SpanExportResult.FAILURE
+    assert time.monotonic() - t0 < 5
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert "(no more tries: shutting down)" in said and re.search(r"refused|Connection", said), said
