@@ -158,8 +158,11 @@ def check_accelerated(obj) -> bool:
     """True when a generated client (or a protocol) uses Thrift's C accelerator both ways.
 
     Otherwise warns once per process (AcceleratorWarning, naming the cause) and returns False.
-    For apps that build their own Thrift clients; `connect` checks its own.
+    For apps that build their own Thrift clients; `connect` checks its own (given one of its
+    clients, this says what that check found, without a second warning).
     """
+    if isinstance(obj, TracedClient):
+        return obj.accelerated
     iprot = getattr(obj, "_iprot", obj)
     oprot = getattr(obj, "_oprot", obj)
     reason = _why_not_accelerated(iprot, oprot)

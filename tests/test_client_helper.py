@@ -583,3 +583,19 @@ def test_a_timeout_that_is_not_above_zero_is_refused(timeout):
     """timeout=0 made the socket non-blocking: connect failed with 'Operation now in progress'."""
     with pytest.raises(ValueError, match="timeout must be a number of seconds above 0, or None"):
         connect(TestService.Client, port=1, timeout=timeout)
+
+
+def test_check_accelerated_on_connects_own_client_says_what_connect_found(fresh_warning):
+    """`connect`'s client encodes into its own buffer, which is not the generated client's
+    protocol: check_accelerated(connect(...)) said False and warned "TracedClient does not encode
+    with fastbinary" about an accelerated client. Now it says what connect's own check found."""
+    server = ThriftServer()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with connect(TestService.Client, port=server.port) as c:
+                assert check_accelerated(c) is True
+                assert c.lookup("k") == "upstream:k"
+    finally:
+        server.stop()
+    assert not [w for w in caught if issubclass(w.category, AcceleratorWarning)], [str(w.message) for w in caught]
