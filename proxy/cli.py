@@ -67,7 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="serve until SIGTERM/SIGINT, then drain; SIGHUP reloads")
-    run.add_argument("-c", "--config", required=True, metavar="FILE", help="YAML config file")
+    given_run = run.add_mutually_exclusive_group(required=True)
+    given_run.add_argument("file", metavar="FILE", nargs="?", help="YAML config file")
+    given_run.add_argument("-c", "--config", dest="config_file", metavar="FILE", help="the same")
 
     check = sub.add_parser("check-config", help="validate a config file and print a summary")
     given = check.add_mutually_exclusive_group(required=True)
@@ -176,7 +178,7 @@ def _main(argv: list[str] | None) -> int:
         early_hups: list[int] = []
         signal.signal(signal.SIGHUP, lambda signum, frame: early_hups.append(signum))
         from proxy.server import run_from_file
-        return run_from_file(args.config, early_hups)
+        return run_from_file(args.file or args.config_file, early_hups)
     if args.command == "demo":
         from proxy.demo import main as demo_main
         return demo_main(args)

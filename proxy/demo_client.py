@@ -298,3 +298,8 @@ def main(args) -> int:
             return 0 if result.failed_calls == 0 and result.calls > 0 else 1
         if stop.wait(args.interval):
             return 0
+
+
+if __name__ == "__main__":  # `python -m proxy.demo_client`: the same as `thrift-sidecar demo-client`
+    from proxy.cli import main as _cli_main
+    sys.exit(_cli_main(["demo-client", *sys.argv[1:]]))

@@ -227,3 +227,8 @@ def main(args) -> int:
     finally:
         server.close()
     return 0
+
+
+if __name__ == "__main__":  # `python -m proxy.demo_upstream`: the same as `thrift-sidecar demo-upstream`
+    from proxy.cli import main as _cli_main
+    sys.exit(_cli_main(["demo-upstream", *sys.argv[1:]]))

@@ -31,6 +31,19 @@ def test_check_config_takes_the_file_as_run_does_too():
     assert both.returncode == 2 and "not allowed with argument FILE" in both.stderr
 
 
+def test_run_takes_the_file_as_check_config_does_too_and_demo_modules_run_with_dash_m(tmp_path):
+    """`run FILE` as well as `run -c FILE` (before: "-c/--config is required", where check-config
+    took either); `python -m proxy.demo_upstream --help` prints the usage (before: nothing, exit 0)."""
+    absent = tmp_path / "absent.yaml"
+    a, b = _cli("run", str(absent)), _cli("run", "-c", str(absent))
+    assert a.returncode == b.returncode == 2 and a.stderr == b.stderr == f"{absent}:0: (file): No such file or directory\n"
+    both = _cli("run", str(absent), "-c", str(absent))
+    assert both.returncode == 2 and "not allowed with argument FILE" in both.stderr
+    for module, command in (("proxy.demo_upstream", "demo-upstream"), ("proxy.demo_client", "demo-client")):
+        r = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert r.returncode == 0 and r.stdout.startswith(f"usage: thrift-sidecar {command} "), (module, r.stdout, r.stderr)
+
+
 @pytest.mark.parametrize("args, says", [
     (("demo-upstream", "--port", "99999"), "argument --port: must be 0-65535"),
     (("demo-upstream", "--port", "-1"), "argument --port: must be 0-65535"),
