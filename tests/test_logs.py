@@ -81,6 +81,23 @@ def test_text_lines_escape_control_characters_and_are_bounded_tracebacks_kept():
     assert lines[0].endswith("ERROR proxy: failed") and lines[1] == "Traceback (most recent call last):"
 
 
+def _ping_only_config(port: int, endpoint: str, logging_extra: str = "") -> str:
+    """Text logs at info; a listener on `port` that routes only `ping` (to `endpoint`)."""
+    return f"""
+logging: {{format: text, level: info{logging_extra}}}
+listeners:
+  - name: test
+    service: TestService
+    listen: 127.0.0.1:{port}
+    routes:
+      - match: {{method: ping}}
+        cluster: up
+clusters:
+  - name: up
+    endpoints: [{endpoint}]
+"""
+
+
 def test_a_clients_method_names_neither_forge_log_lines_nor_flood_the_log():
     """Oneways to no route, named with a newline and a forged line: the proxy logs one line (the
     rest of the burst thinned), the name escaped on it. Before: a WARNING line per call, and the
@@ -91,19 +108,7 @@ def test_a_clients_method_names_neither_forge_log_lines_nor_flood_the_log():
     from harness import ProxyProcess, free_port
 
     port = free_port()
-    text = f"""
-logging: {{format: text, level: info}}
-listeners:
-  - name: test
-    service: TestService
-    listen: 127.0.0.1:{port}
-    routes:
-      - match: {{method: ping}}
-        cluster: up
-clusters:
-  - name: up
-    endpoints: [127.0.0.1:9]
-"""
+    text = _ping_only_config(port, "127.0.0.1:9")
     name = b"ev\n2024-01-01 00:00:00,000 CRITICAL proxy: FORGED"
     body = struct.pack("!Ii", 0x80010004, len(name)) + name + struct.pack("!i", 1) + b"\x00"
     with ProxyProcess(text, [port]) as p:
@@ -168,19 +173,7 @@ def test_text_access_log_lines_carry_the_hop_timings():
 
     up = ThriftServer()
     port = free_port()
-    text = f"""
-logging: {{format: text, level: info, access_log: true}}
-listeners:
-  - name: test
-    service: TestService
-    listen: 127.0.0.1:{port}
-    routes:
-      - match: {{method: ping}}
-        cluster: up
-clusters:
-  - name: up
-    endpoints: [{up.address}]
-"""
+    text = _ping_only_config(port, up.address, ", access_log: true")
     try:
         with ProxyProcess(text, [port]) as p:
             with client(port) as c:
