@@ -884,7 +884,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _maybe_resume(self) -> None:
         if (self.paused_reading and not self.paused_writing and not self.closing and not self._upload_held
-                and not self._full()
+                and (not self._full() or self.upload is not None)  # (an upload's bytes are its counted call's)
                 and (self.upload is None or self.upload.splice is None)):
             self.paused_reading = False
             self.transport.resume_reading()

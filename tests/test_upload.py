@@ -401,6 +401,31 @@ def test_upload_keeps_its_read_deadline_at_max_inflight():
     assert took < 5
 
 
+@pytest.mark.parametrize("framing", ["framed", "buffered"])
+def test_a_streamed_request_at_max_inflight_1_goes_on_after_backpressure(framing):
+    """max_inflight 1: the streamed request's own call fills it. When the upstream's side held
+    the client back (backpressure, or a splice of the request's long string) and let go, reading
+    resumed only if the connection was not "full", which it always was: the rest of the request
+    was never read, and the client was blamed ("request not complete within
+    request_read_timeout", 1.2 MB of 12 MB) though the proxy had stopped reading (a hunt found
+    it). Now resuming exempts the upload from the full check, as pausing does."""
+    up = ThriftServer(framing)
+    text = config_text([up.address], transport=framing,
+                       extra_listener="\n    max_inflight: 1\n    request_read_timeout: 5s")
+    try:
+        with Proxy(text) as p:
+            done = _calls(p)
+            with client(p.port(), framing) as c:
+                for _ in range(2):
+                    big = os.urandom(12_000_000)
+                    assert c.echo(big) == big
+            wait_for(lambda: len(done) == 2, 5, "two calls recorded")
+            timeouts = p.server.listeners["test"].stats["read_timeouts"]
+    finally:
+        up.stop()
+    assert all(call.upload is not None for call in done) and timeouts == 0
+
+
 def test_early_reply_leaves_peak_ewma_sane():
     """A reply before the request was all written has no write time: it is not a latency sample."""
     up = RecordingUpstream(early=True)
