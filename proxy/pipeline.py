@@ -593,8 +593,8 @@ class Pipeline:
         call.conn.stream_end(call)
 
     def attempt_failed(self, attempt: Attempt, error: UpstreamError) -> None:
-        if attempt.call.streamed:
-            self._stream_failed(attempt, error.message)
+        if attempt.call.streamed:  # (the proxy's own limit, or a fault already counted: not the breaker's)
+            self._stream_failed(attempt, error.message, endpoint_blame=error.endpoint_fault and not error.own_limit)
             return
         self._leave_pending(attempt)
         self._off_connection(attempt)

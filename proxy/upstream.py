@@ -551,7 +551,11 @@ class UpstreamConnection(asyncio.Protocol):
         try:
             n = tail.feed(data)
         except ProtocolError as e:
-            self._fail_garbage(e)
+            if e.over_limit:  # (its head answered the call: checked when it began to stream)
+                self._fail(UpstreamError(f"reply from {self.label} too large: {reply_terms(e.message)} (the "
+                                         "proxy's limit: the cluster's max_reply_size)", written=True, own_limit=True))
+            else:
+                self._fail_garbage(e)
             return
         if not tail.done:
             ex.stream_data(data)

@@ -122,7 +122,7 @@ class UnframedStream:
         if not done and (end >= limit or scanner.reach > limit):
             # The decoder's rule: nothing past the limit is looked at, and a message that has
             # not ended by then (or whose string is sure to go past it) is refused.
-            raise ProtocolError(self._too_long)
+            raise ProtocolError(self._too_long, over_limit=True)
         return done
 
     @property
