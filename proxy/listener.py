@@ -56,11 +56,12 @@ class WaitingBudget:
     per proxy, kept across reloads): what `ClientConnection.wait_whole` draws on besides its
     own WAITING_REPLY_BUDGET. Past it, replies wait unread in the upstream's socket."""
 
-    __slots__ = ("limit", "used")
+    __slots__ = ("limit", "used", "unsized")
 
     def __init__(self, limit: int = PROXY_WAITING_BUDGET) -> None:
         self.limit = limit
         self.used = 0
+        self.unsized = 0  # unframed replies let in before their size is known (at most one unforced)
 ACK_CAP_NS = 60_000_000_000  # a client that has not acknowledged a reply after this never read it
 UNDECIDED, NEVER = -2, -1    # ClientConnection._upload_at before a request's head is looked at / never
 
@@ -526,6 +527,7 @@ class ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.closing = True
         self.state.connections.discard(self)
+        self.state.waiting.unsized -= sum(1 for size in self._waiting.values() if not size)
         self._waiting.clear()  # (its calls end below: no budget left to keep)
         self.state.waiting.used -= self._waiting_bytes
         self._waiting_bytes = 0
@@ -673,14 +675,19 @@ class ClientConnection(asyncio.Protocol):
         (reading it frees its upstream connection at once: a client pipelining many calls does
         not hold as many connections); else it waits unread. `pressed`: calls wait for that
         upstream connection (Pool.relieve), so only the proxy's budget applies (an unframed
-        reply, whose size is not known, is let in while that has room, counted as 0); `force`:
-        none does (counted all the same)."""
-        if size is None:
-            if not (force or (pressed and self.state.waiting.used < self.state.waiting.limit)):
-                return False
-            size = 0
-        have = self._waiting.get(call, 0)
+        reply, whose size is not known, is let in while that has room and no other such reply
+        is being read, counted as 0 until call_done counts its size: one max_reply_size at most
+        past the budget); `force`: none does (counted all the same)."""
         shared = self.state.waiting
+        if size is None:
+            if not (force or (pressed and shared.used < shared.limit and not shared.unsized)):
+                return False
+            if call not in self._waiting:
+                shared.unsized += 1
+            size = 0
+        elif self._waiting.get(call) == 0:  # an unsized one's size, now known
+            shared.unsized -= 1
+        have = self._waiting.get(call, 0)
         if not force and ((not pressed and self._waiting_bytes - have + size > WAITING_REPLY_BUDGET)
                           or shared.used - have + size > shared.limit):
             return False
@@ -693,9 +700,13 @@ class ClientConnection(asyncio.Protocol):
         """`call`'s reply read whole to wait its turn (wait_whole) is written, or dropped for a
         retry: its share of the budgets is free."""
         if self._waiting:
-            size = self._waiting.pop(call, 0)
+            size = self._waiting.pop(call, None)
+            if size is None:
+                return
             self._waiting_bytes -= size
             self.state.waiting.used -= size
+            if not size:  # (never sized: its reply was dropped before it was all read)
+                self.state.waiting.unsized -= 1
 
     def _give_turn(self, call: Call) -> None:
         """`call` is first in line now: if its large reply is held unread, let it come. (The time
@@ -827,6 +838,9 @@ class ClientConnection(asyncio.Protocol):
             if call.cancelled or self.transport is None:
                 return
             call.waited = True  # an earlier call is still open: this reply waits its turn (the `queued` hop)
+            if self._waiting and self._waiting.get(call) == 0 and call.reply is not None:
+                # an unframed reply, let in while its size was not known (wait_whole): counted now
+                self.wait_whole(call, len(call.reply), force=True)
             if call.req_held:
                 # its answer is final: no attempt can follow, and its request's bytes go now, not
                 # when the slow call ahead of it is answered (they would count in open_bytes)

@@ -1338,6 +1338,35 @@ def test_buffered_reply_behind_a_pending_call_waits_its_turn_then_streams_in_ord
     assert echo.streamed and echo.outcome == "success" and echo.client_paused_ns >= 150e6
 
 
+def test_buffered_replies_read_whole_under_pool_pressure_count_their_size_one_unsized_at_a_time():
+    """Unframed replies have no length: one read whole to wait its turn because calls wait for
+    its connection was let in counted as 0, and stayed 0 once read, so every such reply was let
+    in (a hunt saw 618 MiB of RSS for 90 x 10 MB replies where the budget is 64 MiB). Now it
+    counts its size once read, and only one unsized reply is read whole at a time: behind a
+    1.5 s call on a pool of 2 and a 1 MB budget, the first 3 MB reply is read whole and counted,
+    the next ones wait unread (then stream in their turn), and the budget is all free after."""
+    up = ThriftServer(framing="buffered")
+    try:
+        pool = "\n    pool: {max_connections: 2, acquire_timeout: 5s}"
+        with Proxy(_buffered_config(up.address, extra_cluster=pool)) as p:
+            p.server.waiting.limit = 1_000_000
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(request_bytes("buffered", "binary", "sleep", 1500, seqid=1)
+                          + b"".join(request_bytes("buffered", "binary", "echo", b"z" * 3_000_000, seqid=i)
+                                     for i in range(2, 6)))
+                time.sleep(0.9)
+                during = p.call(lambda: (p.server.waiting.used, p.server.waiting.unsized))
+                replies = read_messages(s, 5, "buffered", "binary")
+            time.sleep(0.2)
+            after = p.call(lambda: (p.server.waiting.used, p.server.waiting.unsized))
+    finally:
+        up.stop()
+    assert [(r.seqid, r.type) for r in replies] == [(i, MessageType.REPLY) for i in range(1, 6)]
+    assert all(len(r.data) == 3_000_024 for r in replies[1:])
+    assert during == (3_000_024, 0), during
+    assert after == (0, 0), after
+
+
 def test_buffered_upstream_reset_mid_stream_closes_only_that_client():
     up = RawBufferedUpstream(8_000_000, die_after=3_000_000)
     try:
