@@ -62,6 +62,8 @@ class WaitingBudget:
         self.limit = limit
         self.used = 0
         self.unsized = 0  # unframed replies let in before their size is known (at most one unforced)
+
+
 ACK_CAP_NS = 60_000_000_000  # a client that has not acknowledged a reply after this never read it
 UNDECIDED, NEVER = -2, -1    # ClientConnection._upload_at before a request's head is looked at / never
 

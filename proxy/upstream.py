@@ -552,8 +552,7 @@ class UpstreamConnection(asyncio.Protocol):
             n = tail.feed(data)
         except ProtocolError as e:
             if e.over_limit:  # (its head answered the call: checked when it began to stream)
-                self._fail(UpstreamError(f"reply from {self.label} too large: {reply_terms(e.message)} (the "
-                                         "proxy's limit: the cluster's max_reply_size)", written=True, own_limit=True))
+                self._fail(self._too_large(e))
             else:
                 self._fail_garbage(e)
             return
@@ -748,14 +747,17 @@ class UpstreamConnection(asyncio.Protocol):
         and is refused for its size alone (`max_reply_size`) is the proxy's limit and the call's
         doing, not the endpoint's fault: no breaker counts it, and no retry would fare better
         (as a client calling a method no server has cannot eject the endpoints)."""
-        why = reply_terms(e.message)
         ex, head = self.exchange_, e.head
         if (e.over_limit and head is not None and ex is not None
                 and (head.type == M_REPLY or head.type == M_EXCEPTION) and answers(ex, head.seqid, head.type, head.name)):
-            self._fail(UpstreamError(f"reply from {self.label} too large: {why} (the proxy's limit: the "
-                                     "cluster's max_reply_size)", written=True, own_limit=True))
+            self._fail(self._too_large(e))
             return
-        self._fail(UpstreamError(f"bad reply from {self.label}: {why}", written=True))
+        self._fail(UpstreamError(f"bad reply from {self.label}: {reply_terms(e.message)}", written=True))
+
+    def _too_large(self, e: ProtocolError) -> UpstreamError:
+        """A reply that answers the call, refused for its size alone: the proxy's limit."""
+        return UpstreamError(f"reply from {self.label} too large: {reply_terms(e.message)} (the proxy's limit: "
+                             "the cluster's max_reply_size)", written=True, own_limit=True)
 
     def _fail(self, error: UpstreamError) -> None:
         ex = self.exchange_
