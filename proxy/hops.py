@@ -383,9 +383,18 @@ def load_jaeger(url: str, service: str, limit: int = 1000, lookback: float = 360
     if not url.lower().startswith(("http://", "https://")):
         raise HopsError(f"--jaeger {url}: must be an http:// or https:// URL, e.g. http://127.0.0.1:16686")
     full = f"{url.rstrip('/')}/api/traces?{query}"
+    payload = _get_json(full, timeout)
+    try:
+        return parse_jaeger(payload, service)
+    except (AttributeError, TypeError, KeyError, ValueError) as e:  # any other JSON answer
+        raise HopsError(f"{full}: not a Jaeger /api/traces answer ({type(e).__name__}: {e})") from e
+
+
+def _get_json(full: str, timeout: float):
+    """GET `full` and parse its JSON answer; HopsError says what went wrong, in one line."""
     try:
         with urllib.request.urlopen(full, timeout=timeout) as resp:
-            payload = json.load(resp)
+            return json.load(resp)
     except urllib.error.HTTPError as e:
         body = e.read(300).decode("utf-8", "replace")
         raise HopsError(f"{full}: HTTP {e.code}: {body}") from e
@@ -395,18 +404,13 @@ def load_jaeger(url: str, service: str, limit: int = 1000, lookback: float = 360
         raise HopsError(f"{full}: not JSON: {e.msg}") from e
     except ValueError as e:  # (a URL urllib cannot use, e.g. no host)
         raise HopsError(f"{full}: {e}") from e
-    try:
-        return parse_jaeger(payload, service)
-    except (AttributeError, TypeError, KeyError, ValueError) as e:  # any other JSON answer
-        raise HopsError(f"{full}: not a Jaeger /api/traces answer ({type(e).__name__}: {e})") from e
 
 
 def jaeger_services(url: str, timeout: float = 5.0) -> list[str] | None:
     """The services Jaeger has traces of (GET {url}/api/services), or None when it cannot say."""
     try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/api/services", timeout=timeout) as resp:
-            data = json.load(resp).get("data")
-    except (OSError, ValueError, AttributeError):  # (URLError and HTTPError are OSErrors)
+        data = _get_json(f"{url.rstrip('/')}/api/services", timeout).get("data")
+    except (HopsError, AttributeError):
         return None
     return [str(x) for x in data] if isinstance(data, list) else None
 
