@@ -102,7 +102,7 @@ from proxy.cluster import ENDPOINT_STATES, seen_state
 from proxy.codec.twins import load, pure_forced
 from proxy.logs import MAX_NAME
 
-__all__ = ["BUCKETS", "Metrics", "ServiceMetrics", "call_end", "call_outcome", "is_failure",
+__all__ = ["BUCKETS", "Metrics", "ServiceMetrics", "call_end", "call_outcome", "failure_type", "is_failure",
            "OTHER", "INVALID"]
 
 # Bucket upper bounds, seconds (Prometheus `le`); +Inf is implied.
@@ -170,6 +170,18 @@ def is_failure(call, outcome: str | None = None) -> bool:
         return True
     # call.outcome first: call_outcome's own first answer, without the call (a plain success)
     return (outcome or call.outcome or call_outcome(call)) not in _OK_OUTCOMES
+
+
+def failure_type(call, outcome: str) -> str | None:
+    """What a failed call's `error.type` is (spans, and the access log's `error_type`): its own
+    error_type (e.g. not_delivered), else its outcome; `client_never_read` when its only failure
+    is that nobody read the reply. None: the call did not fail."""
+    if not is_failure(call, outcome):
+        return None
+    error_type = call.error_type or outcome
+    if call.never_read and error_type in _OK_OUTCOMES:
+        return CLIENT_NEVER_READ
+    return error_type
 
 
 def call_end(call) -> int:

@@ -16,7 +16,7 @@ from time import monotonic_ns
 
 from proxy.logs import MAX_ERROR, MAX_NAME, cut
 from proxy.looplag import LoopLagMonitor
-from proxy.metrics import ServiceMetrics, call_end, call_outcome
+from proxy.metrics import ServiceMetrics, call_end, call_outcome, failure_type
 from proxy.tracecontext import TRACE_HEADERS
 
 access_log = logging.getLogger("proxy.access")
@@ -65,11 +65,12 @@ class CallRecorder:
             queued = (call.t_write - call.t_done + held) / 1e6
         elif held:
             queued = held / 1e6
+        outcome = call_outcome(call)
         fields = {
             "listener": self.listener, "service": self.service,
             "method": cut(msg.method, MAX_NAME) if msg is not None else None,
             "seqid": msg.seqid if msg is not None else None,
-            "outcome": call_outcome(call), "attempts": len(call.attempts),
+            "outcome": outcome, "error_type": failure_type(call, outcome), "attempts": len(call.attempts),
             "endpoint": a.endpoint.label if a is not None else None,
             "client": f"{call.conn.peer[0]}:{call.conn.peer[1]}" if call.conn.peer else None,
             "request_bytes": call.request_size, "reply_bytes": call.reply_size,

@@ -63,6 +63,7 @@ from proxy.tls import TlsError, client_context
 log = logging.getLogger("proxy")
 
 DRAIN_GRACE = 1.0  # seconds without any client connection before a drain ends
+CLOSE_GRACE = 1.0  # seconds a stop waits for client connections to take their last replies
 SPAN_FLUSH_TIMEOUT = 5.0  # seconds to export queued spans at shutdown
 WATCH_INTERVAL = 1.0  # seconds between config file checks (reload: {watch: true})
 RELOAD_READ_TIMEOUT = 30.0  # seconds a reload's file may take to be read and checked
@@ -899,9 +900,10 @@ class Server:
         for srv in self.servers.values():
             try:
                 async with asyncio.timeout(1.0):
-                    await srv.wait_closed()
+                    await srv.wait_closed()  # (uvloop's does not wait for the connections)
             except TimeoutError:
                 pass
+        await self._cut_unflushed()
         if self._checks_ending:
             await asyncio.wait(self._checks_ending, timeout=1.0)
         self.lag.stop()
@@ -910,6 +912,23 @@ class Server:
             await self._flush_spans()
         if self.admin is not None:
             await self._close_admin()
+
+    async def _cut_unflushed(self) -> None:
+        """Connections still open CLOSE_GRACE after `shut_down` (at once after a second signal)
+        hold replies their clients did not take (a stopped or slow reader; a reply still
+        streaming): reset them now, so that each such call is recorded as not delivered (metrics, access
+        log, and a span flushed below) instead of vanishing with the process."""
+        states = self._all_listener_states()
+        deadline = time.monotonic() + CLOSE_GRACE
+        while (any(state.connections for state in states) and not self._hurry.is_set()
+               and time.monotonic() < deadline):
+            await asyncio.sleep(0.02)
+        left = [conn for state in states for conn in state.connections if conn.transport is not None]
+        for conn in left:
+            conn.transport.abort()  # (connection_lost records them, soon: below)
+        if left:
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
 
     async def _close_admin(self) -> None:
         """Close the admin server (its requests in progress get admin.SHUTDOWN_TIMEOUT), unless a

@@ -57,7 +57,7 @@ from proxy import __version__, otlp, spans
 from proxy.calls import DECLARED_EXCEPTION, SUCCESS
 from proxy.exporter import MAX_REQUEST, ExportQueue, make_exporter
 from proxy.logs import MAX_ERROR, MAX_NAME, cut
-from proxy.metrics import INVALID, call_end, call_outcome, is_failure
+from proxy.metrics import INVALID, call_end, call_outcome, failure_type, is_failure
 from proxy.tracecontext import TraceContext, inject, new_id, start
 
 __all__ = ["Telemetry", "HEAD", "SLOW", "FAILED", "QUEUED_MIN_NS", "DEFAULT_SLOW_CALL"]
@@ -306,7 +306,7 @@ class Telemetry:
             method, svc = INVALID, service
         name = spans.call_span_name(svc, method)
         outcome = call_outcome(call)
-        failed = is_failure(call, outcome)
+        error_type = failure_type(call, outcome)
 
         t_start = call.t_start
         t_end = call_end(call)
@@ -343,10 +343,7 @@ class Telemetry:
         if call.loop_lag_ns:
             a[spans.LOOP_LAG_MS] = _ms(call.loop_lag_ns)
         error = None
-        if failed:
-            error_type = call.error_type or outcome
-            if call.never_read and error_type in _OK_ATTEMPT:  # its only failure: nobody read the reply
-                error_type = spans.ERROR_CLIENT_NEVER_READ
+        if error_type is not None:
             a[spans.ERROR_TYPE] = error_type
             text = cut(call.error, MAX_ERROR) if call.error is not None else None
             if text is not None:

@@ -6,6 +6,7 @@ import contextlib
 import gc
 import logging
 import os
+import signal
 import socket
 import struct
 import time
@@ -1638,3 +1639,98 @@ def test_a_stream_cut_by_the_clients_own_client_timeout_counts_against_the_break
             assert p.call(lambda: ep.breaker.opened_total) == (1 if counted else 0)
     finally:
         up.close()
+
+
+def _spans_and_access(path, log: str) -> tuple[list[dict], list[dict]]:
+    """The SERVER spans in a jsonl span file (attributes flattened) and the JSON access-log lines."""
+    import json
+
+    servers = []
+    for line in path.read_text().splitlines() if path.exists() else ():
+        for rs in json.loads(line)["resourceSpans"]:
+            for ss in rs["scopeSpans"]:
+                for s in ss["spans"]:
+                    if s["kind"] == 2:
+                        attrs = {a["key"]: (int(v["intValue"]) if "intValue" in v else next(iter(v.values())))
+                                 for a in s["attributes"] for v in (a["value"],)}
+                        servers.append({**attrs, "status": s["status"].get("message", "")})
+    access = [json.loads(line) for line in log.splitlines()
+              if line.startswith("{") and '"proxy.access"' in line]
+    return servers, access
+
+
+@pytest.mark.parametrize("framing", ["framed", "buffered"])
+def test_a_stream_cut_by_a_stop_is_recorded_as_not_delivered(tmp_path, framing):
+    """SIGTERM (drain_timeout 1s) while a 64 MB reply streams to a client that stopped reading:
+    at the stop the stream is cut, and the call is still recorded, as not delivered, in the
+    access log and a span. Before: the client's connection was closed gracefully, its close
+    waited on a reader that never came, and the process exited with the call unrecorded
+    (buffered), or recorded after the spans were flushed, so without its span (framed)."""
+    size = 64_000_000
+    up = RawBigUpstream(size) if framing == "framed" else RawBufferedUpstream(size)
+    port = free_port()
+    path = tmp_path / "spans.jsonl"
+    text = _big_config(f"127.0.0.1:{up.port}", port).replace("\nlisteners:", f"""
+drain_timeout: 1s
+logging: {{format: json, level: info, access_log: true}}
+tracing: {{exporter: jsonl, path: {path}, sample_ratio: 1.0}}
+listeners:""")
+    if framing == "buffered":
+        text = _buffered_config(f"127.0.0.1:{up.port}", port).replace("\nlisteners:", text[
+            text.index("\ndrain_timeout"):text.index("\nlisteners:")] + "\nlisteners:")
+    try:
+        with ProxyProcess(text, [port]) as p:
+            s = small_window_client(port)
+            with s:
+                s.sendall(request_bytes(framing, "binary", "echo", b"", seqid=7))
+                got = 0
+                while got < 2_000_000:
+                    chunk = s.recv(256 * 1024)
+                    assert chunk, f"closed after {got} bytes"
+                    got += len(chunk)
+                p.proc.send_signal(signal.SIGTERM)  # and the client reads no more
+                rc = p.proc.wait(15)
+            log = p.output()
+    finally:
+        up.close()
+    assert rc == 0, log[-2000:]
+    servers, access = _spans_and_access(path, log)
+    why = "not delivered: the proxy shut down (drain_timeout 1s passed) (while its reply streamed)"
+    assert [(a["seqid"], a.get("error_type"), a.get("error")) for a in access] == [(7, "not_delivered", why)], log[-3000:]
+    assert [(s["sidecar.seqid"], s["error.type"], s["sidecar.error"], s["sidecar.streamed"]) for s in servers] == [
+        (7, "not_delivered", why, True)], servers
+
+
+def test_replies_a_client_never_took_are_recorded_at_a_stop(tmp_path):
+    """SIGTERM (drain_timeout 1s) with 60 pipelined calls answered (60 KB each, written whole)
+    and a client that reads none of them: at the stop every call is recorded, in the access log
+    and a span each, those its kernel had not taken as not delivered. Before: the graceful close
+    waited for the client, the process exited first, and the calls still in the proxy's send
+    buffer were never recorded."""
+    up = ThriftServer()
+    port = free_port()
+    path = tmp_path / "spans.jsonl"
+    text = config_text([up.address], listen_port=port, extra_top=f"""drain_timeout: 1s
+logging: {{format: json, level: info, access_log: true}}
+tracing: {{exporter: jsonl, path: {path}, sample_ratio: 1.0}}""")
+    n = 60
+    try:
+        with ProxyProcess(text, [port]) as p:
+            s = small_window_client(port)
+            with s:
+                payload = b"x" * 60_000
+                s.sendall(b"".join(request_bytes("framed", "binary", "echo", payload, seqid=i)
+                                   for i in range(1, n + 1)))
+                wait_for(lambda: up.handler.calls == n, what=f"{n} calls upstream")
+                time.sleep(0.3)
+                p.proc.send_signal(signal.SIGTERM)
+                rc = p.proc.wait(15)
+            log = p.output()
+    finally:
+        up.stop()
+    assert rc == 0, log[-2000:]
+    servers, access = _spans_and_access(path, log)
+    assert sorted(a["seqid"] for a in access) == list(range(1, n + 1)), log[-3000:]
+    assert sorted(s["sidecar.seqid"] for s in servers) == list(range(1, n + 1))
+    undelivered = [a for a in access if a.get("error_type") == "not_delivered"]
+    assert undelivered and all("the proxy shut down" in a["error"] for a in undelivered), access[-3:]
