@@ -173,14 +173,17 @@ def test_auto_detection_matches_explicit_config(wire: cf.Wire, mode: str):
 @pytest.mark.parametrize("wire", [w for w in cf.WIRES if not w.autodetectable], ids=lambda w: w.id)
 @pytest.mark.parametrize("mode", ["auto", "auto-protocol"])
 def test_nonstrict_binary_is_explicit_only(wire: cf.Wire, mode: str):
-    """An unversioned head looks like a length: detection refuses it rather than guess."""
+    """An unversioned head looks like a length: detection refuses it rather than guess, and says
+    what to set (with the head, for the answer)."""
     framing = None if mode == "auto" else wire.framing
     d = Decoder(framing, None)
-    d.feed(cf.fixtures(wire)["ping-call"].data)
+    f = cf.fixtures(wire)["ping-call"]
+    d.feed(f.data)
     with pytest.raises(ProtocolError) as e:
         d.next_message()
-    assert e.value.message.startswith("bad request: cannot detect")
+    assert "unversioned (non-strict) binary message: set the listener's protocol to binary_nonstrict" in e.value.message
     assert e.value.app_type == 7
+    assert (e.value.head.name, e.value.head.seqid, e.value.head.framing) == (f.name, f.seqid, wire.framing)
 
 
 @pytest.mark.parametrize("framing", [Framing.FRAMED, Framing.BUFFERED])

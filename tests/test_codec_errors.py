@@ -206,8 +206,14 @@ def test_wrong_compact_version(framing):
 @pytest.mark.parametrize("framing", FRAMINGS)
 def test_strict_binary_refuses_an_unversioned_head(framing):
     data = fx(framing, NS, "ping-call").data
-    fails(data, framing, B, starts="bad request: bad binary protocol version 0x00000004 "
-                                   "(an unversioned message needs protocol binary_nonstrict)")
+    err = fails(data, framing, B, starts="bad request: bad binary protocol version 0x00000004 "
+                                         "(an unversioned message needs protocol binary_nonstrict)")
+    # its head, read as unversioned, addresses the answer: the client's own seqid, not 0
+    d = Decoder(framing, NS)
+    d.feed(data)
+    seqid = d.next_message().seqid
+    assert seqid != 0
+    assert_head(err, "ping", seqid, framing)
 
 
 @pytest.mark.parametrize("framing", FRAMINGS)
@@ -628,21 +634,40 @@ def test_a_truncated_zlib_request_is_scanned_as_far_as_it_inflates():
                 d.next_message()
 
 
-def test_an_unversioned_message_on_an_auto_listener_is_said_to_need_binary_nonstrict():
-    """Auto framing and protocol cannot tell an unversioned (non-strict) binary message from a
-    frame (both begin with an i32 length): refused, and the error says what would read it; with
-    the protocol set to binary_nonstrict, auto framing reads the same bytes. Before: only "cannot
-    detect framing and protocol from the first bytes (...)"."""
+@pytest.mark.parametrize("framing,listener", [
+    (f, lis) for f in (Framing.FRAMED, Framing.BUFFERED) for lis in ((None, None), (None, B), (f, None))])
+def test_an_unversioned_message_where_the_listener_detects_is_answered_with_what_to_set(framing, listener):
+    """Auto framing or protocol cannot tell an unversioned (non-strict) binary message from a
+    frame (both begin with an i32 length): refused, and the error says what would read it, with
+    the message's head (its client hears it, with its seqid, in its own framing). Before: no head,
+    so the client's connection closed with no answer. Auto framing with protocol
+    binary_nonstrict reads the same bytes (the decoder; the config refuses that pair)."""
+    lf, lp = listener
     name = b"ping"
     body = struct.pack("!i", len(name)) + name + struct.pack("!bi", 1, 7) + b"\x00"
-    frame = struct.pack("!i", len(body)) + body
-    d = Decoder(None, None)
-    d.feed(frame)
-    with pytest.raises(ProtocolError) as e:
-        d.next_message()
-    assert e.value.message.endswith("; an unversioned binary message is detected only with the listener's "
-                                    "protocol set to binary_nonstrict)"), e.value.message
-    d = Decoder(None, Protocol.BINARY_NONSTRICT)
-    d.feed(frame)
-    msg = d.next_message()
-    assert (msg.name, msg.seqid, d.framing) == ("ping", 7, Framing.FRAMED)
+    data = struct.pack("!i", len(body)) + body if framing is Framing.FRAMED else body
+    err = fails(data, lf, lp)
+    said = "a framed" if framing is Framing.FRAMED else "an unframed"
+    assert err.message == (
+        f"bad request: {said} unversioned (non-strict) binary message: set the listener's protocol to "
+        f"binary_nonstrict and its transport to {'framed' if framing is Framing.FRAMED else 'buffered'} "
+        "(auto detects strict binary, compact and THeader only: an unversioned message begins with a "
+        "length, as a frame does)"), err.message
+    assert_head(err, "ping", 7, framing, NS)
+    if framing is Framing.FRAMED:
+        d = Decoder(None, Protocol.BINARY_NONSTRICT)
+        d.feed(data)
+        msg = d.next_message()
+        assert (msg.name, msg.seqid, d.framing) == ("ping", 7, Framing.FRAMED)
+
+
+@pytest.mark.parametrize("data", [
+    struct.pack("!i", 13) + struct.pack("!i", 4) + b"pi\x01g" + struct.pack("!bi", 1, 7),  # a control byte
+    struct.pack("!i", 13) + struct.pack("!i", 4) + b"ping" + struct.pack("!bi", 2, 7),  # a reply
+    struct.pack("!i", 2000) + b"x" * 2000 + struct.pack("!bi", 1, 7),  # a name past 1,024 bytes
+])
+def test_bytes_that_are_not_plainly_an_unversioned_call_get_no_guessed_head(data):
+    """Only a plain unversioned call (printable name of 1-1024 bytes, CALL or ONEWAY) is taken for
+    one: other bytes get the generic error and no head (nothing answered in a guessed framing)."""
+    err = fails(data, None, None, starts="bad request: cannot detect framing and protocol")
+    assert err.head is None

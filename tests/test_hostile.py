@@ -29,10 +29,12 @@ from thrift.Thrift import TApplicationException
 
 from harness import (
     ROOT,
+    Proxy,
     ProxyProcess,
     ThriftServer,
     app_exception,
     client,
+    config_text,
     free_ports,
     open_fds,
     proc_status,
@@ -374,6 +376,34 @@ def test_an_invalid_message_type_is_answered_with_its_seqid_and_name(guard, list
         data, eof = read_all_until_eof(s, 5)
     (reply,) = decode_all(data, listener)
     assert_bad_request(reply, seqid=11, name="ping", why=f"invalid message type {mtype}")
+
+
+@pytest.mark.parametrize("client", ["framed", "buffered"])
+def test_an_unversioned_binary_client_is_answered_with_its_seqid_and_what_to_set(guard, client):
+    """An Apache Thrift client writing unversioned (non-strict) binary: a strict binary listener
+    of its framing answers PROTOCOL_ERROR addressed to its seqid and name (before: seqid 0, no
+    name), and an auto/auto listener answers in the client's framing with what to set (before:
+    the connection closed with no answer at all)."""
+    request = request_bytes(client, "binary_nonstrict", "lookup", "k", seqid=29)
+    with socket.create_connection(("127.0.0.1", getattr(guard, client))) as s:
+        s.sendall(request)
+        data, eof = read_all_until_eof(s, 5)
+    (reply,) = decode_all(data, client)
+    assert_bad_request(reply, seqid=29, name="lookup", why="(an unversioned message needs protocol binary_nonstrict)")
+    up = ThriftServer()
+    try:
+        with Proxy(config_text([up.address], transport="auto", protocol="auto")) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(request)
+                data, eof = read_all_until_eof(s, 5)
+    finally:
+        up.stop()
+    assert eof
+    (reply,) = decode_all(data, client)
+    assert_bad_request(reply, seqid=29, name="lookup", why=(
+        f"unversioned (non-strict) binary message: set the listener's protocol to binary_nonstrict and "
+        f"its transport to {client} "))
+    assert up.handler.calls == 0
 
 
 def test_a_compact_theader_listener_answers_an_unreadable_header_block_in_compact():

@@ -77,11 +77,14 @@ _HEAD_MAX = 4 + 4 + 4 + MAX_NAME_LENGTH + 4
 
 def _head_of_bad(buf, start: int, end: int, protocol: Protocol, framing: Framing) -> Head | None:
     """The head of a message refused (best effort), to address the answer: read with any
-    message type (an invalid one is answered as a CALL), None if no head can be read."""
+    message type (an invalid one is answered as a CALL), None if no head can be read. Where
+    strict binary belongs, an unversioned head is read too (its client hears why, with its seqid)."""
     try:
         r = read_head(buf, start, end, protocol, any_type=True)
     except ProtocolError:
-        return None
+        r = None
+        if protocol is Protocol.BINARY:  # an unversioned head where a strict one belongs
+            r = _unversioned_head(buf, start, end)
     if r is None:
         return None
     mtype = r[1] if MessageType.CALL <= r[1] <= MessageType.ONEWAY else MessageType.CALL
@@ -475,7 +478,8 @@ class Decoder:
         if self.protocol is Protocol.BINARY_NONSTRICT:
             self._set(Framing.FRAMED, None)
             return True
-        raise ProtocolError("bad request: cannot detect framing and protocol from the first bytes "
+        raise _unversioned_error(buf, off, end, None) or ProtocolError(
+            "bad request: cannot detect framing and protocol from the first bytes "
                             f"({bytes(buf[off:off + 10]).hex()}; an unversioned binary message is detected "
                             "only with the listener's protocol set to binary_nonstrict)")
 
@@ -664,7 +668,10 @@ class Decoder:
             return protocol
         if end - start < 2:
             raise ProtocolError(f"bad request: cannot detect the protocol ({bytes(data[start:end]).hex()})")
-        protocol = self.protocol = _sniff_protocol(data, start)
+        try:
+            protocol = self.protocol = _sniff_protocol(data, start)
+        except ProtocolError as e:
+            raise _unversioned_error(data, start - 4, end, Framing.FRAMED) or e
         return protocol
 
     def _message(self, readable, start: int, end: int, framing: Framing, protocol: Protocol,
@@ -750,7 +757,8 @@ class Decoder:
             except ProtocolError as e:
                 if end - off < 6:
                     return None  # (the six bytes that tell a framed message)
-                raise self._wrong_framing(buf, off, end) or e
+                raise (self._wrong_framing(buf, off, end) or _unversioned_error(buf, off, end, Framing.BUFFERED)
+                       or e)
             self.protocol = protocol
         # Nothing past `limit` is ever looked at: a message that does not end by then is
         # refused, and what lies beyond cannot change that (nor, so, depend on read sizes).
@@ -800,6 +808,58 @@ def _copy(buf: bytearray, start: int, stop: int) -> bytes:
     """buf[start:stop] as bytes in one copy (slicing the bytearray first would copy twice)."""
     with memoryview(buf) as view:
         return bytes(view[start:stop])
+
+
+# An unversioned head is taken for one (to answer it) only with a name this short, all of it
+# printable ASCII: a frame's length or garbage read as a name length fails that check.
+_UNVERSIONED_NAME_MAX = 1024
+_NOT_NAME = bytes(range(0x21, 0x7F))  # (deleted by translate: what is left is not printable)
+
+
+def _unversioned_head(buf, pos: int, end: int) -> tuple[str, int, int] | None:
+    """An unversioned (non-strict) binary call or oneway head at buf[pos:end], plainly one: a
+    name length of 1-1024, a printable ASCII name, type CALL or ONEWAY. (name, type, seqid)."""
+    if end - pos < 4:
+        return None
+    nlen = _I32.unpack_from(buf, pos)[0]
+    if not 0 < nlen <= _UNVERSIONED_NAME_MAX or end - pos < 4 + nlen + 5:
+        return None
+    name = bytes(buf[pos + 4:pos + 4 + nlen])
+    mtype = buf[pos + 4 + nlen]
+    if name.translate(None, _NOT_NAME) or mtype not in (MessageType.CALL, MessageType.ONEWAY):
+        return None
+    return name.decode("ascii"), mtype, _I32.unpack_from(buf, pos + 5 + nlen)[0]
+
+
+def unversioned_at(buf, off: int, end: int, framing: Framing | None = None) -> Head | None:
+    """The head of an unversioned binary message at buf[off], framed or not (`framing`: only
+    that one), when the bytes plainly hold one: to answer a client that sends them where they
+    are not read (a strict binary listener, or one detecting its protocol) with its seqid."""
+    if framing is not Framing.BUFFERED and end - off >= 4:
+        length = _I32.unpack_from(buf, off)[0]
+        r = _unversioned_head(buf, off + 4, min(end, off + 4 + length)) if length > 9 else None
+        if r is not None:
+            return Head(r[0], r[1], r[2], Framing.FRAMED, Protocol.BINARY_NONSTRICT)
+    if framing is not Framing.FRAMED:
+        r = _unversioned_head(buf, off, end)
+        if r is not None:
+            return Head(r[0], r[1], r[2], Framing.BUFFERED, Protocol.BINARY_NONSTRICT)
+    return None
+
+
+def _unversioned_error(buf, off: int, end: int, framing: Framing | None) -> ProtocolError | None:
+    """Error paths of a listener detecting its transport or protocol: the bytes at buf[off] are
+    an unversioned binary message. Answered (strict binary, which its client reads) with what to
+    set: auto cannot tell an unversioned message from a frame's length."""
+    head = unversioned_at(buf, off, end, framing)
+    if head is None:
+        return None
+    need = "framed" if head.framing is Framing.FRAMED else "buffered"
+    return ProtocolError(
+        f"bad request: {_FRAMING_SAID[head.framing]} unversioned (non-strict) binary message: "
+        f"{SET_LISTENER_PROTOCOL} to binary_nonstrict and its transport to {need} (auto detects "
+        "strict binary, compact and THeader only: an unversioned message begins with a length, "
+        "as a frame does)", head=head)
 
 
 _FRAMING_SAID = {Framing.BUFFERED: "an unframed", Framing.FRAMED: "a framed", Framing.HEADER: "a THeader",
