@@ -8,23 +8,30 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 CACHE  ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/thrift-sidecar
 STAMP  := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 GEN    := tests/gen
 GOCLIENT := $(CACHE)/bin/sidecar-test-client
 PYTEST_ARGS ?=
 
-.PHONY: demo test deps thrift-compiler chromium jaeger gen go-client bench clean
+.PHONY: demo test deps test-deps thrift-compiler chromium jaeger gen go-client bench clean
 
 demo: deps
 	$(VENV)/bin/thrift-sidecar demo
 
-test: deps gen go-client jaeger chromium
+test: test-deps gen go-client jaeger chromium
 	SIDECAR_GO_CLIENT=$(GOCLIENT) $(PY) -m pytest $(PYTEST_ARGS)
 
+# `deps`: what the sidecar runs with (make demo); `test-deps` adds the test tools (make test).
 deps: $(STAMP)
+test-deps: $(TEST_STAMP)
 
 $(STAMP): pyproject.toml setup.py $(wildcard proxy/*.c proxy/codec/*.c)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e .
+	touch $@
+
+$(TEST_STAMP): $(STAMP)
 	$(PIP) install -q -e '.[test]'
 	touch $@
 
@@ -71,7 +78,7 @@ soak: deps gen
 FUZZ_INPUTS ?= 1000000
 FUZZ_EXAMPLES ?= 20000
 .PHONY: fuzz
-fuzz: deps gen
+fuzz: test-deps gen
 	$(PY) tests/fuzz_codec.py --inputs $(FUZZ_INPUTS)
 	HYPOTHESIS_PROFILE=fuzz FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider \
 	  tests/test_scanner_compiled.py -k "fuzzed_input or either_scanner"
