@@ -1641,10 +1641,15 @@ def test_a_stream_cut_by_the_clients_own_client_timeout_counts_against_the_break
         up.close()
 
 
-def _spans_and_access(path, log: str) -> tuple[list[dict], list[dict]]:
-    """The SERVER spans in a jsonl span file (attributes flattened) and the JSON access-log lines."""
+def _stop_recorded(p, path) -> tuple[list[dict], list[dict], str]:
+    """SIGTERM `p` (a ProxyProcess on a `_STOPPING` config) and wait for its exit 0: the SERVER
+    spans in its jsonl span file `path` (attributes flattened), its JSON access-log lines, its log."""
     import json
 
+    p.proc.send_signal(signal.SIGTERM)
+    rc = p.proc.wait(15)
+    log = p.output()
+    assert rc == 0, log[-2000:]
     servers = []
     for line in path.read_text().splitlines() if path.exists() else ():
         for rs in json.loads(line)["resourceSpans"]:
@@ -1656,7 +1661,13 @@ def _spans_and_access(path, log: str) -> tuple[list[dict], list[dict]]:
                         servers.append({**attrs, "status": s["status"].get("message", "")})
     access = [json.loads(line) for line in log.splitlines()
               if line.startswith("{") and '"proxy.access"' in line]
-    return servers, access
+    return servers, access, log
+
+
+# A 1 s drain, a JSON access log, and every call traced to {path}.
+_STOPPING = """drain_timeout: 1s
+logging: {{format: json, level: info, access_log: true}}
+tracing: {{exporter: jsonl, path: {path}, sample_ratio: 1.0}}"""
 
 
 @pytest.mark.parametrize("framing", ["framed", "buffered"])
@@ -1670,31 +1681,20 @@ def test_a_stream_cut_by_a_stop_is_recorded_as_not_delivered(tmp_path, framing):
     up = RawBigUpstream(size) if framing == "framed" else RawBufferedUpstream(size)
     port = free_port()
     path = tmp_path / "spans.jsonl"
-    text = _big_config(f"127.0.0.1:{up.port}", port).replace("\nlisteners:", f"""
-drain_timeout: 1s
-logging: {{format: json, level: info, access_log: true}}
-tracing: {{exporter: jsonl, path: {path}, sample_ratio: 1.0}}
-listeners:""")
-    if framing == "buffered":
-        text = _buffered_config(f"127.0.0.1:{up.port}", port).replace("\nlisteners:", text[
-            text.index("\ndrain_timeout"):text.index("\nlisteners:")] + "\nlisteners:")
+    make = _big_config if framing == "framed" else _buffered_config
+    text = _STOPPING.format(path=path) + make(f"127.0.0.1:{up.port}", port)
     try:
         with ProxyProcess(text, [port]) as p:
-            s = small_window_client(port)
-            with s:
+            with small_window_client(port) as s:
                 s.sendall(request_bytes(framing, "binary", "echo", b"", seqid=7))
                 got = 0
                 while got < 2_000_000:
                     chunk = s.recv(256 * 1024)
                     assert chunk, f"closed after {got} bytes"
                     got += len(chunk)
-                p.proc.send_signal(signal.SIGTERM)  # and the client reads no more
-                rc = p.proc.wait(15)
-            log = p.output()
+                servers, access, log = _stop_recorded(p, path)  # and the client reads no more
     finally:
         up.close()
-    assert rc == 0, log[-2000:]
-    servers, access = _spans_and_access(path, log)
     why = "not delivered: the proxy shut down (drain_timeout 1s passed) (while its reply streamed)"
     assert [(a["seqid"], a.get("error_type"), a.get("error")) for a in access] == [(7, "not_delivered", why)], log[-3000:]
     assert [(s["sidecar.seqid"], s["error.type"], s["sidecar.error"], s["sidecar.streamed"]) for s in servers] == [
@@ -1710,26 +1710,19 @@ def test_replies_a_client_never_took_are_recorded_at_a_stop(tmp_path):
     up = ThriftServer()
     port = free_port()
     path = tmp_path / "spans.jsonl"
-    text = config_text([up.address], listen_port=port, extra_top=f"""drain_timeout: 1s
-logging: {{format: json, level: info, access_log: true}}
-tracing: {{exporter: jsonl, path: {path}, sample_ratio: 1.0}}""")
+    text = config_text([up.address], listen_port=port, extra_top=_STOPPING.format(path=path))
     n = 60
     try:
         with ProxyProcess(text, [port]) as p:
-            s = small_window_client(port)
-            with s:
+            with small_window_client(port) as s:
                 payload = b"x" * 60_000
                 s.sendall(b"".join(request_bytes("framed", "binary", "echo", payload, seqid=i)
                                    for i in range(1, n + 1)))
                 wait_for(lambda: up.handler.calls == n, what=f"{n} calls upstream")
                 time.sleep(0.3)
-                p.proc.send_signal(signal.SIGTERM)
-                rc = p.proc.wait(15)
-            log = p.output()
+                servers, access, log = _stop_recorded(p, path)
     finally:
         up.stop()
-    assert rc == 0, log[-2000:]
-    servers, access = _spans_and_access(path, log)
     assert sorted(a["seqid"] for a in access) == list(range(1, n + 1)), log[-3000:]
     assert sorted(s["sidecar.seqid"] for s in servers) == list(range(1, n + 1))
     undelivered = [a for a in access if a.get("error_type") == "not_delivered"]
