@@ -188,7 +188,10 @@ class Pipeline:
             if upload is not None:
                 upload.timeout = timeout  # counts from the request's last byte (_upload_received)
             else:
-                call.deadline = self.loop.time() + timeout - (monotonic_ns() - t_framed) / 1e9
+                # From the request's last byte, or from when it was handled if the listener held
+                # it back at max_inflight: that wait (`queued`, behind the client's own earlier
+                # calls) is the client's doing, not the upstream's, as for a reply held for its turn.
+                call.deadline = self.loop.time() + timeout - (monotonic_ns() - (admitted or t_framed)) / 1e9
                 # (a client's own timeout, any value, gets a loop timer: one queue per route timeout)
                 call.timer = (self.loop.call_at(call.deadline, self._call_timeout, call) if capped
                               else self._deadline_queue(timeout).set(call.deadline, self._call_timeout, call))

@@ -760,6 +760,32 @@ def test_max_inflight_and_max_inflight_bytes_are_the_listener_s_config(setting, 
         up.close()
 
 
+def test_a_request_held_back_at_max_inflight_gets_its_whole_route_timeout_once_handled():
+    """max_inflight 2, route timeout 400ms, eight sleep(100) calls pipelined: each is handled in
+    its turn and has its whole route timeout from then, so all eight succeed (the last waits
+    ~300 ms held back: its `queued` hop, the client's doing). Before: the held time counted
+    against the route timeout, the late calls were cut after too little upstream time, and the
+    last ones were told 'while waiting for a connection' from a pool that had idle ones."""
+    from harness import Proxy, ThriftServer, config_text
+
+    up = ThriftServer()
+    try:
+        text = config_text([up.address], extra_listener="\n    max_inflight: 2").replace(
+            "      - cluster: up", "      - cluster: up\n        timeout: 400ms")
+        with Proxy(text) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                t0 = time.monotonic()
+                s.sendall(b"".join(request_bytes("framed", "binary", "sleep", 100, seqid=i) for i in range(8)))
+                replies = read_messages(s, 8, timeout=10)
+                took = time.monotonic() - t0
+    finally:
+        up.stop()
+    assert [(m.seqid, m.type) for m in replies] == [(i, MessageType.REPLY) for i in range(8)], (
+        [app_exception(m).message for m in replies if m.type == MessageType.EXCEPTION])
+    assert took >= 0.39  # four turns of two 100 ms calls: the last ones were held ~300 ms
+    assert up.handler.calls == 8
+
+
 # == exposure ======================================================================================
 
 
