@@ -176,7 +176,8 @@ def answers(ex: Exchange, seqid: int, mtype: int, name: str) -> bool:
     method (bare or multiplexed, as a multiplexed processor replies with the bare name; an
     EXCEPTION with no name is taken too)? Clients' seqids are not unique across a pool's
     connections, so the name is what tells a stale duplicate reply to another client's request
-    on the same connection from its own."""
+    on the same connection from its own; one to the same method with the same seqid cannot be
+    told apart (seqids are not rewritten)."""
     if seqid != ex.seqid or (mtype != M_REPLY and mtype != M_EXCEPTION):
         return False
     sent = ex.name
