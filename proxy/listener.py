@@ -34,7 +34,7 @@ from proxy.codec.heads import SETTING_HINT
 from proxy.codec.message import Message
 from proxy.codec.wire import F_BUFFERED, F_FRAMED, M_CALL, M_ONEWAY
 from proxy import splice
-from proxy.calls import BAD_REQUEST, NOT_DELIVERED, NOT_SENT, TIMEOUT, Call, Upload
+from proxy.calls import BAD_REQUEST, CLIENT_GONE, NOT_DELIVERED, NOT_SENT, TIMEOUT, Call, Upload
 from proxy.logs import Throttle
 from proxy.pipeline import PREFIX
 from proxy.sockets import sent_bytes, set_nodelay, unread_bytes, unsent_bytes
@@ -50,6 +50,9 @@ WAITING_REPLY_BUDGET = 16 << 20  # bytes of large replies read whole while they 
                                  # earlier calls; past it they wait unread (take_turn)
 PROXY_WAITING_BUDGET = 64 << 20  # the same, summed over every client connection of the proxy
 
+
+# The answer to whole requests read behind a bad one (the connection closes after its answer).
+AFTER_BAD = "not sent: an earlier request on this connection was malformed, and the connection closes after its answer"
 
 class WaitingBudget:
     """Bytes of large replies read whole to wait their turn, over all client connections (one
@@ -354,7 +357,7 @@ class ClientConnection(asyncio.Protocol):
                 try:  # (before the bytes go upstream: a frame hiding a second message never does whole)
                     up.check.feed(data if n <= left else memoryview(data)[:left])
                 except ProtocolError as e:
-                    self._upload_garbage(e)
+                    self._upload_garbage(e, data[left:] if n > left else None)
                     return None
         else:
             try:
@@ -466,14 +469,21 @@ class ClientConnection(asyncio.Protocol):
         else:
             self._maybe_resume()
 
-    def _upload_garbage(self, e: ProtocolError) -> None:
+    def _upload_garbage(self, e: ProtocolError, after: bytes | None = None) -> None:
         """A streaming request that turned out malformed mid-stream (unframed: where the next
         request would begin cannot be known; framed: its struct does not fill its frame). Its
-        upstream connection, holding part of it, is closed: the upstream never has it whole."""
+        upstream connection, holding part of it, is closed: the upstream never has it whole.
+        `after`: the bytes past its frame in the same read; whole requests among them are
+        answered "not sent", as behind any bad request (`_protocol_error`)."""
         self.state.stats["protocol_errors"] += 1
         self.state.notes.log(log, logging.INFO, "protocol_error", "client %s on listener %s: %s", self.peer,
                              self.settings.name, e.message)
+        if after:  # (queued behind its call, whose answer writes them: _upload_broken)
+            self.decoder.feed(after)
+            self._refuse_held(AFTER_BAD)
         self._upload_broken(e.message)
+        if after and self.queue and self.queue[0].reply is not None:
+            self.call_done(self.queue[0])  # (its call was answered already: no route, an early reply)
 
     def _upload_broken(self, text: str, outcome=None) -> None:
         """The streaming request will not be finished: its call is answered with `text` (unless
@@ -540,6 +550,8 @@ class ClientConnection(asyncio.Protocol):
         for t in (self._read_timer, self._idle_timer, self._linger, self._stall_timer):
             if t is not None:
                 t.cancel()
+        if self.decoder.buffered:
+            self._drop_held()
         for call in self.queue:
             if call.pipeline is not None:
                 call.pipeline.cancel(call, self._closed_why)
@@ -900,6 +912,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _maybe_resume(self) -> None:
         if (self.paused_reading and not self.paused_writing and not self.closing and not self._upload_held
+                and not self.transport.is_closing()  # (a write failed: the client is gone, start nothing)
                 and (not self._full() or self.upload is not None)  # (an upload's bytes are its counted call's)
                 and (self.upload is None or self.upload.splice is None)):
             self.paused_reading = False
@@ -1027,6 +1040,8 @@ class ClientConnection(asyncio.Protocol):
                 self._queue_answer(msg, head, self.t_first, BAD_REQUEST, e.app_type, e.message,
                                    e.header_block.headers if e.header_block is not None else None)
         if e.close:
+            # whole requests read behind it are answered, not dropped: the connection closes
+            self._refuse_held(AFTER_BAD)
             self.closing = True
             self._disarm_read()
         if self.queue and self.queue[0].reply is not None:
@@ -1069,28 +1084,52 @@ class ClientConnection(asyncio.Protocol):
             self.call_done(self.queue[0])  # (only held ones: no call was open)
         self.transport.close()  # (only connection_lost, which comes later, drops the transport)
 
-    def _refuse_held(self, text: str) -> None:
-        """Whole requests read but not yet handed to the pipeline (held back at max_inflight) get
-        `text` as their answer, queued behind the open calls (written with them: `shut_down`),
-        each with its own seqid; oneways among them are logged and counted as failed
-        (`Pipeline.fail`). Bytes still in the kernel were never read: the close resets them,
-        which no client takes for an answer."""
+    def _refuse_held(self, text: str, outcome: str = NOT_SENT) -> list[Call]:
+        """Whole requests read but not yet handed to the pipeline (held back at max_inflight, or
+        behind a bad request) get `text` as their answer, queued behind the open calls (written
+        with them: `shut_down`), each with its own seqid; oneways among them are logged and
+        counted as failed (`Pipeline.fail`). Bytes still in the kernel were never read: the
+        close resets them, which no client takes for an answer. Returns the calls queued."""
+        refused = []
         while True:
             try:
                 msg = self.decoder.next_message()
             except ProtocolError:
-                return  # (a bad frame: what follows it is not readable either)
+                return refused  # (a bad frame: what follows it is not readable either)
             if msg is None:
-                return
+                return refused
             if msg.type != M_CALL and msg.type != M_ONEWAY:
                 continue  # (a reply-typed message from a client gets nothing: as when read)
             t_start = self._held_since or self.t_first
             if msg.type == M_ONEWAY or self._oneway_name(msg.name):
-                self._fail_oneway(msg, t_start, NOT_SENT, AppErrorType.INTERNAL_ERROR, text)
+                self._fail_oneway(msg, t_start, outcome, AppErrorType.INTERNAL_ERROR, text)
                 continue
-            call = self._queue_answer(msg, msg.head, t_start, NOT_SENT, AppErrorType.INTERNAL_ERROR, text)
-            call.error_type = NOT_SENT
+            call = self._queue_answer(msg, msg.head, t_start, outcome, AppErrorType.INTERNAL_ERROR, text)
+            call.error_type = outcome
             call.t_done = call.t_framed
+            refused.append(call)
+
+    def _drop_held(self) -> None:
+        """The connection is gone with whole requests read but never handed to the pipeline
+        (held back at max_inflight): none starts now, and nothing can answer them, but each is
+        still recorded (metrics, access log, a span), as `client_gone` when the client left, or
+        `not_sent` when the proxy closed the connection (`_closed_why`: a write stall, a
+        streamed reply that broke), instead of vanishing with the connection."""
+        why = self._closed_why
+        if why is None:
+            held = self._refuse_held("the client closed its connection before the proxy handled this request "
+                                     "(held back at max_inflight)", CLIENT_GONE)
+        else:
+            held = self._refuse_held(f"not sent: the proxy closed the client's connection before it handled "
+                                     f"this request: {why}")
+        pipeline = self.state.pipeline
+        for _ in held:
+            self.queue.pop()  # (queued last: answers no one will read)
+        for call in held:
+            call.reply = None
+            if why is None:
+                pipeline.stats["client_gone"] += 1
+            pipeline.completed(call)
 
     def _fail_oneway(self, msg: Message | None, t_start: int, outcome: str, app_type: AppErrorType,
                      text: str) -> None:

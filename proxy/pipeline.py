@@ -1002,8 +1002,8 @@ class Pipeline:
             call.error = f"not delivered: the proxy closed the client's connection: {closed_by_proxy}"
             call.t_done = call.t_done or monotonic_ns()
         elif record:
-            self.stats["client_gone"] += 1
             if call.reply is None:
+                self.stats["client_gone"] += 1
                 up = call.upload
                 where = ("while its request was still arriving" if up is not None and not up.done
                          else "while it waited for a connection" if a is not None and a.waiter is not None

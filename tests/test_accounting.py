@@ -305,3 +305,69 @@ def test_a_held_request_started_by_a_reply_finds_the_replys_max_requests_slot_fr
         up.stop()
     assert [m.type for m in replies] == [2, 2], replies
     assert stats["limit_rejections"] == 0
+
+
+def _completed(p) -> list:
+    """The calls the test listener's pipeline records from now on (as metrics, spans and the
+    access log see them), in the order they finish."""
+    done = []
+    p.server.listeners["test"].pipeline.on_complete = done.append
+    return done
+
+
+def test_requests_held_at_max_inflight_are_recorded_and_never_started_when_the_client_resets():
+    """max_inflight 1; one write carries sleep(300) then three incr; the client resets at 100 ms.
+    Reading is paused (the held requests), so the reset shows only when sleep's reply is
+    written: nothing is started after that (the upstream never sees an incr for a client that
+    is gone), and each held incr is still recorded, client_gone. Before: the failed write
+    resumed reading and started the first incr upstream, and the other two vanished from every
+    record (found by a conservation hunt)."""
+    up = ThriftServer()
+    try:
+        with Proxy(_config(up.address).replace("    routes:", "    max_inflight: 1\n    routes:")) as p:
+            done = _completed(p)
+            s = socket.create_connection(("127.0.0.1", p.port()))
+            s.sendall(request_bytes("framed", "binary", "sleep", 300, seqid=1) + b"".join(
+                request_bytes("framed", "binary", "incr", "k", seqid=i) for i in (2, 3, 4)))
+            time.sleep(0.1)
+            _reset(s)
+            deadline = time.monotonic() + 5
+            while len(done) < 4 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(0.3)  # (an incr started late would reach the upstream by now)
+            stats = dict(p.server.listeners["test"].pipeline.stats)
+    finally:
+        up.stop()
+    assert up.handler.calls == 1  # sleep only: no incr ran
+    got = sorted((c.msg.seqid, c.msg.name, c.outcome, c.error_type) for c in done)
+    assert got == [(1, "sleep", "success", "not_delivered")] + [
+        (i, "incr", "client_gone", "client_gone") for i in (2, 3, 4)], got
+    assert all("held back at max_inflight" in c.error for c in done if c.msg.name == "incr")
+    assert stats["calls"] == 4 and stats["client_gone"] == 3, stats
+
+
+def test_client_gone_counts_only_calls_without_an_answer():
+    """sleep(300), then two pings answered behind it; the client resets at 100 ms: /stats'
+    client_gone is 1 (the sleep), as calls_total{outcome="client_gone"} and the spans say; the
+    pings, answered but never written, are not_delivered. Before: 3 (every call cancelled)."""
+    up = ThriftServer()
+    try:
+        with Proxy(_config(up.address)) as p:
+            done = _completed(p)
+            s = socket.create_connection(("127.0.0.1", p.port()))
+            s.sendall(request_bytes("framed", "binary", "sleep", 300, seqid=1) + b"".join(
+                request_bytes("framed", "binary", "ping", seqid=i) for i in (2, 3)))
+            deadline = time.monotonic() + 5
+            while up.handler.calls < 3 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(0.1)
+            _reset(s)
+            while len(done) < 3 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            stats = dict(p.server.listeners["test"].pipeline.stats)
+    finally:
+        up.stop()
+    got = sorted((c.msg.seqid, c.outcome, c.error_type) for c in done)
+    assert got == [(1, "client_gone", "client_gone"), (2, "success", "not_delivered"),
+                   (3, "success", "not_delivered")], got
+    assert stats["client_gone"] == 1, stats

@@ -734,8 +734,9 @@ def _messages(data: bytes, framing: str = "framed") -> list:
 def test_error_for_a_malformed_frame_never_takes_the_next_requests_seqid():
     """ping (1), a whole 12-byte frame with a bad version word, a valid lookup (4), in one
     write: ping's reply, then the error addressed to the bad frame (seqid 0: its own cannot be
-    read), then the connection closes. Before: the error went out as lookup's reply (seqid 4,
-    name 'lookup'), blaming a valid request that never ran."""
+    read), then lookup's own answer (not sent: it is behind a malformed request), then the
+    connection closes. Before: the error went out as lookup's reply (seqid 4, name 'lookup'),
+    blaming a valid request that never ran."""
     up = ThriftServer("framed", "binary")
     try:
         with Proxy(config_text([up.address])) as p:
@@ -745,8 +746,11 @@ def test_error_for_a_malformed_frame_never_takes_the_next_requests_seqid():
                           + request_bytes("framed", "binary", "lookup", "k4", seqid=4))
                 replies = _messages(_until_eof(s))
             assert [(r.name, r.seqid, r.type) for r in replies] == [
-                ("ping", 1, MessageType.REPLY), ("", 0, MessageType.EXCEPTION)]
+                ("ping", 1, MessageType.REPLY), ("", 0, MessageType.EXCEPTION), ("lookup", 4, MessageType.EXCEPTION)]
             assert "bad binary protocol version" in app_exception(replies[1]).message
+            assert app_exception(replies[2]).message.startswith(
+                "thrift-sidecar: not sent: an earlier request on this connection was malformed")
+            assert up.handler.calls == 1  # (the ping)
     finally:
         up.stop()
 
@@ -763,8 +767,10 @@ def test_theader_frame_with_a_bad_header_size_is_answered_with_its_own_seqid():
             with socket.create_connection(("127.0.0.1", p.port())) as s:
                 s.sendall(bytes(frame) + request_bytes("header", "binary", "lookup", "k4", seqid=4))
                 replies = _messages(_until_eof(s), "header")
-            assert [(r.seqid, r.type) for r in replies] == [(3, MessageType.EXCEPTION)]
+            assert [(r.seqid, r.type) for r in replies] == [(3, MessageType.EXCEPTION), (4, MessageType.EXCEPTION)]
             assert "header size 65536 beyond the frame" in app_exception(replies[0]).message
+            assert "not sent: an earlier request on this connection was malformed" in app_exception(replies[1]).message
+            assert up.handler.calls == 0
     finally:
         up.stop()
 

@@ -406,6 +406,63 @@ def test_an_unversioned_binary_client_is_answered_with_its_seqid_and_what_to_set
     assert up.handler.calls == 0
 
 
+def test_whole_requests_behind_a_bad_one_are_answered_not_sent():
+    """One write: ping(1), a frame whose struct runs past its end (seqid 2), ping(3), ping(4).
+    The connection closes after the bad request, as it must, but the two whole requests read
+    behind it are answered (not sent, each with its seqid) and recorded, not dropped with an EOF
+    for their seqids (found by a conservation hunt)."""
+    up = ThriftServer()
+    bad = request_bytes("framed", "binary", "echo", b"hello", seqid=2)
+    bad = struct.pack("!i", len(bad) - 7) + bad[4:-3]  # the payload's last 3 bytes cut off
+    try:
+        with Proxy(config_text([up.address])) as p:
+            done = []
+            p.server.listeners["test"].pipeline.on_complete = done.append
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(request_bytes("framed", "binary", "ping", seqid=1) + bad + b"".join(
+                    request_bytes("framed", "binary", "ping", seqid=i) for i in (3, 4)))
+                data, eof = read_all_until_eof(s, 5)
+            time.sleep(0.2)
+    finally:
+        up.stop()
+    assert eof
+    replies = decode_all(data)
+    assert [(m.seqid, m.type) for m in replies] == [(1, MessageType.REPLY)] + [
+        (i, MessageType.EXCEPTION) for i in (2, 3, 4)]
+    assert_bad_request(replies[1], seqid=2, name="echo")
+    for m in replies[2:]:
+        x = app_exception(m)
+        assert (x.type, x.message) == (TApplicationException.INTERNAL_ERROR, (
+            "thrift-sidecar: not sent: an earlier request on this connection was malformed, and the "
+            "connection closes after its answer")), x.message
+    assert up.handler.calls == 1
+    assert sorted((c.msg.seqid, c.outcome) for c in done) == [
+        (1, "success"), (2, "bad_request"), (3, "not_sent"), (4, "not_sent")]
+
+
+def test_a_request_read_behind_a_streamed_one_that_proves_malformed_is_answered():
+    """A 2 MB echo request (over retry_buffer: it streams upstream) whose struct ends one byte
+    before its frame does, and a ping in the same write: the echo is refused at its last byte
+    (the upstream never gets it whole) and the ping, read in the same chunk, is answered "not
+    sent", not dropped."""
+    up = ThriftServer()
+    req = request_bytes("framed", "binary", "echo", b"x" * 2_000_000, seqid=5)
+    req = struct.pack("!i", len(req) - 3) + req[4:] + b"\x00"  # one byte more in the frame
+    try:
+        with Proxy(config_text([up.address])) as p:
+            with socket.create_connection(("127.0.0.1", p.port())) as s:
+                s.sendall(req + request_bytes("framed", "binary", "ping", seqid=6))
+                data, eof = read_all_until_eof(s, 5)
+    finally:
+        up.stop()
+    assert eof
+    replies = decode_all(data)
+    assert [(m.seqid, m.type) for m in replies] == [(5, MessageType.EXCEPTION), (6, MessageType.EXCEPTION)]
+    assert_bad_request(replies[0], seqid=5, name="echo")
+    assert "not sent: an earlier request on this connection was malformed" in app_exception(replies[1]).message
+    assert up.handler.calls == 0
+
+
 def test_a_compact_theader_listener_answers_an_unreadable_header_block_in_compact():
     """DESIGN: errors go back in the client's own framing and protocol. A THeader frame whose
     header size points past its end cannot name its protocol: the listener's (compact) is used,
