@@ -1084,30 +1084,36 @@ class ClientConnection(asyncio.Protocol):
             self.call_done(self.queue[0])  # (only held ones: no call was open)
         self.transport.close()  # (only connection_lost, which comes later, drops the transport)
 
-    def _refuse_held(self, text: str, outcome: str = NOT_SENT) -> list[Call]:
+    def _refuse_held(self, text: str, outcome: str = NOT_SENT, answer: bool = True) -> int:
         """Whole requests read but not yet handed to the pipeline (held back at max_inflight, or
         behind a bad request) get `text` as their answer, queued behind the open calls (written
         with them: `shut_down`), each with its own seqid; oneways among them are logged and
         counted as failed (`Pipeline.fail`). Bytes still in the kernel were never read: the
-        close resets them, which no client takes for an answer. Returns the calls queued."""
-        refused = []
+        close resets them, which no client takes for an answer. `answer` False (the client is
+        gone): each is only recorded, as `outcome`. Returns how many calls (not oneways)."""
+        n = 0
         while True:
             try:
                 msg = self.decoder.next_message()
             except ProtocolError:
-                return refused  # (a bad frame: what follows it is not readable either)
+                return n  # (a bad frame: what follows it is not readable either)
             if msg is None:
-                return refused
+                return n
             if msg.type != M_CALL and msg.type != M_ONEWAY:
                 continue  # (a reply-typed message from a client gets nothing: as when read)
             t_start = self._held_since or self.t_first
             if msg.type == M_ONEWAY or self._oneway_name(msg.name):
                 self._fail_oneway(msg, t_start, outcome, AppErrorType.INTERNAL_ERROR, text)
                 continue
-            call = self._queue_answer(msg, msg.head, t_start, outcome, AppErrorType.INTERNAL_ERROR, text)
+            n += 1
+            if answer:
+                call = self._queue_answer(msg, msg.head, t_start, outcome, AppErrorType.INTERNAL_ERROR, text)
+            else:
+                call = self._own_call(msg, t_start, outcome, text)
             call.error_type = outcome
             call.t_done = call.t_framed
-            refused.append(call)
+            if not answer:
+                call.pipeline.completed(call)
 
     def _drop_held(self) -> None:
         """The connection is gone with whole requests read but never handed to the pipeline
@@ -1117,19 +1123,12 @@ class ClientConnection(asyncio.Protocol):
         streamed reply that broke), instead of vanishing with the connection."""
         why = self._closed_why
         if why is None:
-            held = self._refuse_held("the client closed its connection before the proxy handled this request "
-                                     "(held back at max_inflight)", CLIENT_GONE)
+            n = self._refuse_held("the client closed its connection before the proxy handled this request "
+                                  "(held back at max_inflight)", CLIENT_GONE, answer=False)
+            self.state.pipeline.stats["client_gone"] += n
         else:
-            held = self._refuse_held(f"not sent: the proxy closed the client's connection before it handled "
-                                     f"this request: {why}")
-        pipeline = self.state.pipeline
-        for _ in held:
-            self.queue.pop()  # (queued last: answers no one will read)
-        for call in held:
-            call.reply = None
-            if why is None:
-                pipeline.stats["client_gone"] += 1
-            pipeline.completed(call)
+            self._refuse_held(f"not sent: the proxy closed the client's connection before it handled "
+                              f"this request: {why}", answer=False)
 
     def _fail_oneway(self, msg: Message | None, t_start: int, outcome: str, app_type: AppErrorType,
                      text: str) -> None:
@@ -1145,20 +1144,27 @@ class ClientConnection(asyncio.Protocol):
     def _queue_answer(self, msg: Message | None, head: Head, t_start: int, outcome: str,
                       app_type: AppErrorType, text: str, headers: dict | None = None) -> Call:
         """A call this connection answers itself (a bad request; a request refused as the proxy
-        stops), counted as the pipeline counts its calls (as calls_total counts it) and queued
-        in its turn, not yet written (`call_done` writes it, and may half-close after it).
-        It joins the client's trace, as any call does: from its THeader headers (`headers`, those
-        of a request whose payload could not be read)."""
+        stops), recorded as `_own_call` says and queued in its turn, not yet written
+        (`call_done` writes it, and may half-close after it)."""
+        call = self._own_call(msg, t_start, outcome, text, headers)
+        call.reply = exception_reply(head, app_type, PREFIX + text)
+        self.queue.append(call)
+        return call
+
+    def _own_call(self, msg: Message | None, t_start: int, outcome: str, text: str,
+                  headers: dict | None = None) -> Call:
+        """A call this connection ends itself, never handed to the pipeline: counted as the
+        pipeline counts its calls (as calls_total counts it). It joins the client's trace, as
+        any call does: from its THeader headers (`headers`, those of a request whose payload
+        could not be read)."""
         pipeline = self.state.pipeline
         pipeline.stats["calls"] += 1
         pipeline.stats["errors"] += 1
         call = Call(self, msg, t_start, monotonic_ns(), pipeline)
         call.outcome = outcome
         call.error = text
-        call.reply = exception_reply(head, app_type, PREFIX + text)
         if pipeline.on_begin is not None and (headers is not None or (msg is not None and msg.header is not None)):
             pipeline.on_begin(call, headers)  # the client's trace, joined by the proxy's own answer too
-        self.queue.append(call)
         return call
 
     def _close_after_replies(self) -> None:

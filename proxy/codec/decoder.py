@@ -480,8 +480,8 @@ class Decoder:
             return True
         raise _unversioned_error(buf, off, end, None) or ProtocolError(
             "bad request: cannot detect framing and protocol from the first bytes "
-                            f"({bytes(buf[off:off + 10]).hex()}; an unversioned binary message is detected "
-                            "only with the listener's protocol set to binary_nonstrict)")
+            f"({bytes(buf[off:off + 10]).hex()}; an unversioned binary message is detected "
+            "only with the listener's protocol set to binary_nonstrict)")
 
     def _detect_nesting(self, buf, off: int, end: int) -> bool:
         """Configured HEADER: is the THeader frame plain or nested in a framed frame? False = need more."""
@@ -831,7 +831,7 @@ def _unversioned_head(buf, pos: int, end: int) -> tuple[str, int, int] | None:
     return name.decode("ascii"), mtype, _I32.unpack_from(buf, pos + 5 + nlen)[0]
 
 
-def unversioned_at(buf, off: int, end: int, framing: Framing | None = None) -> Head | None:
+def _unversioned_at(buf, off: int, end: int, framing: Framing | None = None) -> Head | None:
     """The head of an unversioned binary message at buf[off], framed or not (`framing`: only
     that one), when the bytes plainly hold one: to answer a client that sends them where they
     are not read (a strict binary listener, or one detecting its protocol) with its seqid."""
@@ -851,7 +851,7 @@ def _unversioned_error(buf, off: int, end: int, framing: Framing | None) -> Prot
     """Error paths of a listener detecting its transport or protocol: the bytes at buf[off] are
     an unversioned binary message. Answered (strict binary, which its client reads) with what to
     set: auto cannot tell an unversioned message from a frame's length."""
-    head = unversioned_at(buf, off, end, framing)
+    head = _unversioned_at(buf, off, end, framing)
     if head is None:
         return None
     need = "framed" if head.framing is Framing.FRAMED else "buffered"
