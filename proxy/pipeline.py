@@ -236,7 +236,7 @@ class Pipeline:
                 conn.transport.write(data)
             if last:
                 conn.upload = None
-                a.t_written = monotonic_ns()
+                a.t_written = a.t_written or monotonic_ns()  # (set already: its reply came first)
                 conn.watch_sent(a, up.size)
                 up.hold(False)  # the upstream still has to take it all; the client may go on
         elif a is not None and not a.ended and call.reply is None and not call.cancelled:

@@ -268,6 +268,8 @@ class UpstreamConnection(asyncio.Protocol):
         if not ex.t_first_reply:
             ex.t_first_reply = monotonic_ns()
             self.replied = True
+            if self.upload is not None:  # it answers a streaming request before its end: the writing
+                ex.t_written = ex.t_first_reply  # stops here (write_upstream; service_time 0)
             reply = self.decoder.take(data)  # the common case: the whole reply in one read
             if reply is not None:
                 self._replied(ex, reply)

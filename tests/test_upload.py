@@ -51,9 +51,10 @@ class RecordingUpstream(RawUpstream):
     """Reads framed requests, counting every byte as it arrives (`received`); answers each
     whole request with a REPLY carrying the sha256 of its bytes. `cut_after`: the first
     connection closes once it has read that many bytes. `early`: the first connection replies as
-    soon as it has a request's head, before the rest arrives."""
+    soon as it has a request's head (`early_after` seconds later), before the rest arrives."""
 
-    def __init__(self, cut_after: int = 0, early: bool = False, silent: tuple = ()) -> None:
+    def __init__(self, cut_after: int = 0, early: bool = False, silent: tuple = (), early_after: float = 0.0) -> None:
+        self.early_after = early_after
         self.received = 0
         self.requests: list[bytes] = []
         self.cut_after = cut_after
@@ -90,6 +91,7 @@ class RecordingUpstream(RawUpstream):
                 total = 4 + struct.unpack_from("!i", buf)[0]
                 if first and self.early and not answered and len(buf) >= 64:
                     name, _, seqid, _ = read_head(buf, 4, len(buf), Protocol.BINARY)
+                    time.sleep(self.early_after)
                     c.sendall(reply_bytes(name.encode(), seqid, b"early"))
                     answered = True
                 if len(buf) < total:
@@ -240,6 +242,35 @@ def test_upstream_replying_before_the_request_is_all_written_is_passed_on_and_no
     assert early.seqid == 3 and _reply_text(early) == b"early"
     assert ping.seqid == 4 and ping.type == MessageType.REPLY
     assert up.connections == 2  # the connection holding half a request was never reused
+
+
+def test_an_early_reply_to_a_streaming_request_keeps_the_attempts_hops():
+    """The upstream answers a streaming request ~150 ms after its head, before the client has
+    sent the rest: the attempt's time after `acquire` is in write_upstream (the request was still
+    being written), then read_response; the CLIENT span's hops cover it, and /metrics has a sample
+    of each. Before: only `acquire` (t_written was never set), ~150 ms in no hop."""
+    from spans_util import Traced, ms
+
+    up = RecordingUpstream(early=True, early_after=0.15)
+    big = _echo_request(4_000_000, seqid=3)
+    try:
+        with Traced(_config(up.address)) as t:
+            with socket.create_connection(("127.0.0.1", t.port())) as s:
+                s.sendall(big[:500_000])
+                (early,) = read_messages(s, 1, "framed", "binary")
+            (call,) = t.wait_calls(1)
+            page = t.proxy.call(t.proxy.server.metrics.exposition).decode()
+    finally:
+        up.close()
+    assert early.seqid == 3 and _reply_text(early) == b"early"
+    (attempt,) = call.clients
+    hops = {s.name: s for s in call.children(attempt)}
+    assert set(hops) == {"acquire", "write_upstream", "service_time", "read_response"}, hops
+    covered = sum(ms(s) for s in hops.values())
+    assert covered >= 0.95 * ms(attempt), (covered, ms(attempt))
+    assert ms(hops["write_upstream"]) >= 100, call
+    for hop in ("write_upstream", "service_time", "read_response"):
+        assert f'thrift_sidecar_hop_duration_seconds_count{{hop="{hop}",method="echo"' in page, (hop, page)
 
 
 def test_large_request_with_no_route_is_answered_at_once_and_the_rest_dropped():
