@@ -115,7 +115,7 @@ class ClientConnection(asyncio.Protocol):
                  "_last_active", "_linger", "fd", "bytes_out", "_unacked", "_ack_poll", "_ack_delay",
                  "stream_call", "stream_up", "_waiting", "_waiting_bytes", "_paused_at", "_framing", "_eof", "_stall_timer",
                  "_stall_mark", "_stall_seen", "upload", "_upload_at", "_upload_by", "_upload_held", "_closed_why",
-                 "_held_since", "open_bytes")
+                 "_held_since", "_held_part", "_resumed_at", "open_bytes")
 
     def __init__(self, state: ListenerState) -> None:
         self.state = state
@@ -155,6 +155,8 @@ class ClientConnection(asyncio.Protocol):
         self._upload_by = None                 # the pipeline (config) that decided _upload_at
         self._upload_held = False              # reading paused for the upload (calls.Upload.paused)
         self._held_since = 0                   # requests held back at max_inflight arrived by then
+        self._held_part = 0                    # the start of a request held back unfinished, read on
+        self._resumed_at = 0                   # since this resume (its wait is `queued`, not reading)
         self.open_bytes = 0                    # request bytes held for open calls (Call.req_held's sum)
 
     # -- asyncio.Protocol -----------------------------------------------------
@@ -279,6 +281,11 @@ class ClientConnection(asyncio.Protocol):
             if held:  # held back by us at max_inflight: it was here (whole) all that time, which
                 t_start = t_framed = min(held, t_start)  # counts in its total, not as the client's:
                 admitted = now  # it waited behind the client's earlier calls (`queued`)
+            elif self._held_part:  # its start was held back too, its rest read since the resume: the
+                t_start = self._held_part  # hold is `queued` as above, its reading read_request (drawn
+                t_framed = t_start + now - self._resumed_at  # first: the two times, not their order)
+                admitted = now
+            self._held_part = 0
             self.t_first = now
             if msg.type != M_CALL and msg.type != M_ONEWAY:
                 self._bad_type(msg)
@@ -921,11 +928,14 @@ class ClientConnection(asyncio.Protocol):
                 self._arm_read_timer(self.t_first)
             if self.decoder.buffered and not self._framing:  # requests held back at max_inflight
                 now = monotonic_ns()
+                held = self._held_since
                 if self._read_timer is None:
                     self.t_first = now  # held by us, not late: its read deadline starts now
                 self._frame_requests(now)  # (whole held requests start when they arrived: _held_since)
                 if not self.paused_reading:
                     self._held_since = 0  # every whole held request is framed (else: held again)
+                    if held and self.decoder.buffered and self.upload is None:  # and the start of one more:
+                        self._held_part, self._resumed_at = held, now  # its span starts when it came
 
     # -- the write_response hop: until the client acknowledged every byte -------------
 

@@ -168,6 +168,32 @@ def test_requests_held_back_at_max_inflight_count_their_wait():
         assert pings[seqid].total_ms >= 250, (seqid, pings[seqid].total_ms)
 
 
+def test_a_request_whose_start_was_held_back_at_max_inflight_counts_its_wait_as_queued():
+    """max_inflight 1; one write: sleep(300) and the first 5 bytes of a ping, the ping's rest
+    500 ms later. The ping's span starts with its first bytes (~0 ms), the 300 ms it sat unread
+    behind the sleep is `queued`, and its own reading the ~200 ms after that. Before: its span
+    started at the resume (~300 ms) and those 300 ms were in no hop."""
+    up = ThriftServer()
+    ping = request_bytes("framed", "binary", "ping", seqid=1)
+    try:
+        with Traced(_cfg(up.address, "\n    max_inflight: 1"), ratio=1.0) as t:
+            with socket.create_connection(("127.0.0.1", t.port())) as s:
+                t0 = time.monotonic()
+                s.sendall(request_bytes("framed", "binary", "sleep", 300, seqid=0) + ping[:5])
+                time.sleep(0.5)
+                s.sendall(ping[5:])
+                read_messages(s, 2)
+                waited = time.monotonic() - t0
+            calls = t.wait_calls(2)
+    finally:
+        up.stop()
+    (call,) = [c for c in calls if c.attrs[spans.RPC_METHOD] == "ping"]
+    assert call.total_ms >= 450 and waited >= 0.45, (call, waited)
+    assert 250 <= call.hop_ms("queued") <= 400, call
+    assert 100 <= call.hop_ms("read_request") <= 300, call
+    assert call.coverage() >= 0.95, call
+
+
 def test_calls_behind_a_broken_stream_are_not_delivered_not_client_gone():
     """A streamed reply breaks (its upstream resets mid-reply): the proxy closes that client's
     connection, and the two pings pipelined behind it never reach the client. They are recorded
