@@ -196,22 +196,19 @@ def call_end(call) -> int:
     return call.t_framed or call.t_start
 
 
-def pure_record_hops(hops: list[list[int]], sums: list[int], call) -> None:
-    """One sample per hop of a finished call whose two timestamps are there and in order:
-    `hops[hop]` gets one more in the bucket of its duration, `sums[hop]` the duration (ns).
-    The reference for the compiled `proxy._hops.record_hops` (tests/test_metrics.py)."""
-
-    def sample(hop: int, d: int) -> None:
-        hops[hop][bisect_left(_BOUNDS_NS, d)] += 1
-        sums[hop] += d
-
+def hop_samples(call) -> list[tuple[int, int]]:
+    """(hop index, duration ns) for each hop of a finished call whose two timestamps are there
+    and in order, attempts and backoffs one each: the rule `pure_record_hops` and the access
+    log share (the compiled `proxy._hops.record_hops` takes it inline)."""
+    out: list[tuple[int, int]] = []
+    sample = out.append
     t0, t1 = call.t_start, call.t_framed
     if t0:
         if t1 >= t0:
-            sample(_READ_REQUEST, t1 - t0)
+            sample((_READ_REQUEST, t1 - t0))
         t2 = call.t_admitted  # a request held back at max_inflight: it waited behind earlier calls
         if t2 and t1 and t2 > t1:
-            sample(_QUEUED, t2 - t1)
+            sample((_QUEUED, t2 - t1))
     for a in call.attempts:
         t0, t1 = a.t_acquire, a.t_acquired
         if not t0:
@@ -219,37 +216,56 @@ def pure_record_hops(hops: list[list[int]], sums: list[int], call) -> None:
         if not t1:  # never got a connection (pool wait or connect failed, timed out, given up):
             t1 = a.t_reply or call.t_done  # it waited until the attempt ended
             if t1 >= t0:
-                sample(_ACQUIRE, t1 - t0)
+                sample((_ACQUIRE, t1 - t0))
             continue
         if not t1 >= t0:
             continue
-        sample(_ACQUIRE, t1 - t0)
+        sample((_ACQUIRE, t1 - t0))
         t0 = a.t_written
         if not t0 >= t1:
             continue
-        sample(_WRITE_UPSTREAM, t0 - t1)
+        sample((_WRITE_UPSTREAM, t0 - t1))
         first = a.t_first_reply or a.t_reply
         if not first >= t0:
             continue
-        sample(_SERVICE_TIME, first - t0)
+        sample((_SERVICE_TIME, first - t0))
         t0, t1 = a.t_first_reply, a.t_reply
         if t0 and t1 >= t0:
             held = a.held_ns
             if held > 0:  # a large reply held unread for its turn: that wait is queued, not reading
                 r0 = min(t0 + held, t1)
-                sample(_QUEUED, r0 - t0)
+                sample((_QUEUED, r0 - t0))
                 t0 = r0
-            sample(_READ_RESPONSE, t1 - t0)
+            sample((_READ_RESPONSE, t1 - t0))
     for t0, t1 in call.backoffs:
         if t0 and t1 >= t0:
-            sample(_BACKOFF, t1 - t0)
+            sample((_BACKOFF, t1 - t0))
     t0, t1 = call.t_done, call.t_write
     if call.waited and t0 and t1 > t0:  # as the span: only a reply that waited behind an earlier one
-        sample(_QUEUED, t1 - t0)
+        sample((_QUEUED, t1 - t0))
     t0 = t1 or t0  # from t_write (a streamed reply's is before t_done), else t_done
     t1 = call.t_acked or call.t_handed
     if t0 and t1 >= t0:
-        sample(_WRITE_RESPONSE, t1 - t0)
+        sample((_WRITE_RESPONSE, t1 - t0))
+    return out
+
+
+def hop_totals(call) -> list[int | None]:
+    """Per hop (the order of `spans.HOPS`): its durations summed (ns), None where it has none."""
+    totals: list[int | None] = [None] * len(spans.HOPS)
+    for hop, d in hop_samples(call):
+        was = totals[hop]
+        totals[hop] = d if was is None else was + d
+    return totals
+
+
+def pure_record_hops(hops: list[list[int]], sums: list[int], call) -> None:
+    """One sample per hop of a finished call (`hop_samples`): `hops[hop]` gets one more in the
+    bucket of its duration, `sums[hop]` the duration (ns). The reference for the compiled
+    `proxy._hops.record_hops` (tests/test_metrics.py)."""
+    for hop, d in hop_samples(call):
+        hops[hop][bisect_left(_BOUNDS_NS, d)] += 1
+        sums[hop] += d
 
 
 CompiledRecordHops = _compiled()

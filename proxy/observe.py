@@ -16,10 +16,12 @@ from time import monotonic_ns
 
 from proxy.logs import MAX_ERROR, MAX_NAME, cut
 from proxy.looplag import LoopLagMonitor
-from proxy.metrics import ServiceMetrics, call_end, call_outcome, failure_type
+from proxy import spans
+from proxy.metrics import ServiceMetrics, call_end, call_outcome, failure_type, hop_totals
 from proxy.tracecontext import TRACE_HEADERS
 
 access_log = logging.getLogger("proxy.access")
+_HOP_FIELDS = [f"{hop}_ms" for hop in spans.HOPS]  # read_request_ms, ..., backoff_ms, queued_ms, ...
 
 
 def _ms(a: int, b: int) -> float | None:
@@ -57,14 +59,7 @@ class CallRecorder:
     def _log(self, call, end: int) -> None:
         msg = call.msg
         a = call.attempts[-1] if call.attempts else None
-        held = sum(x.queued_ns for x in call.attempts)
-        if call.t_admitted > call.t_framed:  # the request held back at max_inflight
-            held += call.t_admitted - call.t_framed
-        queued = None
-        if call.waited and call.t_done and call.t_write:
-            queued = (call.t_write - call.t_done + held) / 1e6
-        elif held:
-            queued = held / 1e6
+        hops = hop_totals(call)  # summed over attempts, as /metrics takes them (spans: one each)
         outcome = call_outcome(call)
         fields = {
             "listener": self.listener, "service": self.service,
@@ -75,13 +70,7 @@ class CallRecorder:
             "client": f"{call.conn.peer[0]}:{call.conn.peer[1]}" if call.conn.peer else None,
             "request_bytes": call.request_size, "reply_bytes": call.reply_size,
             "total_ms": _ms(call.t_start, end),
-            "read_request_ms": _ms(call.t_start, call.t_framed),
-            "acquire_ms": _ms(a.t_acquire, a.t_acquired or a.t_reply or call.t_done) if a else None,
-            "write_upstream_ms": _ms(a.t_acquired, a.t_written) if a else None,
-            "service_time_ms": _ms(a.t_written, a.t_first_reply) if a else None,
-            "read_response_ms": _ms(a.t_first_reply and a.t_first_reply + a.queued_ns, a.t_reply) if a else None,
-            "queued_ms": None if queued is None else round(queued, 3),  # as the spans (holds included)
-            "write_response_ms": _ms(call.t_write or call.t_done, call.t_acked or call.t_handed),
+            **{key: None if d is None else round(d / 1e6, 3) for key, d in zip(_HOP_FIELDS, hops)},
             "loop_lag_ms": round(call.loop_lag_ns / 1e6, 3),
             "error": cut(call.error, MAX_ERROR) if call.error is not None else None,
         }

@@ -196,3 +196,47 @@ def test_text_access_log_lines_carry_the_hop_timings():
     assert " error=" not in ping, ping
     assert " TestService lookup no_route " in lookup and " endpoint=" not in lookup, lookup
     assert re.search(r' error="no route: method \'lookup\' on listener \'test\'"', lookup), lookup
+
+
+def test_access_log_hop_timings_account_for_every_attempt_and_backoff(caplog):
+    """A retried call (the first attempt's reply stalls after 10 bytes: per_try_timeout 150ms,
+    then a 100 ms backoff, then an answer) and a call cut by its route timeout (200ms, no reply
+    byte): their access-log hop fields add up to their totals, summed over attempts with
+    `backoff_ms`, as the spans and /metrics take them. Before: only the last attempt's hops
+    (~1 ms of a ~260 ms call), no backoff, and service_time_ms null for the timed-out attempt."""
+    from harness import Proxy, ThriftServer, client, config_text
+    from test_upstream_faults import FaultUpstream
+
+    faulty, slow = FaultUpstream(), ThriftServer()
+    faulty.plan.extend(["stall_mid_reply", "ok"])
+    text = "logging: {access_log: true}\n" + config_text([faulty.address], extra_cluster="""
+  - name: slow
+    endpoints: [%s]""" % slow.address).replace("      - cluster: up\n", """      - match: {method: sleep}
+        cluster: slow
+        timeout: 200ms
+      - cluster: up
+        retry: {attempts: 2, idempotent: true, per_try_timeout: 150ms, backoff: {base: 100ms, max: 100ms}}
+""")
+    try:
+        with caplog.at_level(logging.INFO, logger="proxy.access"), Proxy(text) as p:
+            with client(p.port()) as c:
+                c.ping()
+                with pytest.raises(TApplicationException, match="timeout"):
+                    c.sleep(1000)
+            deadline = time.monotonic() + 5
+            while len([r for r in caplog.records if r.name == "proxy.access"]) < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+    finally:
+        faulty.close()
+        slow.stop()
+    logged = {r.fields["method"]: r.fields for r in caplog.records if r.name == "proxy.access"}
+    hops = ("read_request_ms", "acquire_ms", "write_upstream_ms", "service_time_ms", "read_response_ms",
+            "backoff_ms", "queued_ms", "write_response_ms")
+    ping, sleep = logged["ping"], logged["sleep"]
+    assert ping["attempts"] == 2 and ping["backoff_ms"] is not None, ping
+    # full jitter: the backoff is 0-100 ms; the stalled attempt's 150 ms are read_response
+    assert ping["read_response_ms"] >= 140 and ping["total_ms"] >= 140, ping
+    assert sleep["service_time_ms"] is not None and sleep["service_time_ms"] >= 180, sleep
+    for f in (ping, sleep):
+        covered = sum(f[k] or 0 for k in hops)
+        assert 0.9 * f["total_ms"] <= covered <= f["total_ms"] + 0.5, (covered, f)
