@@ -34,6 +34,18 @@ def _count(low: int, high: int | None = None):
     return parse
 
 
+def _nonempty(what: str):
+    """An argparse type: any text but an empty one."""
+    def parse(text: str) -> str:
+        if not text:
+            raise argparse.ArgumentTypeError(f"empty: give {what}")
+        return text
+    return parse
+
+
+_path = _nonempty("a file's path")  # ('' would pass for no file given)
+
+
 def _seconds(low: float, high: float):
     """An argparse type: a number of seconds from `low` to `high`, else a usage error."""
     def parse(text: str) -> float:
@@ -68,13 +80,14 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="serve until SIGTERM/SIGINT, then drain; SIGHUP reloads")
     given_run = run.add_mutually_exclusive_group(required=True)
-    given_run.add_argument("file", metavar="FILE", nargs="?", help="YAML config file")
-    given_run.add_argument("-c", "--config", dest="config_file", metavar="FILE", help="the same")
+    given_run.add_argument("file", metavar="FILE", nargs="?", type=_path, help="YAML config file")
+    given_run.add_argument("-c", "--config", dest="config_file", metavar="FILE", type=_path, help="the same")
 
     check = sub.add_parser("check-config", help="validate a config file and print a summary")
     given = check.add_mutually_exclusive_group(required=True)
-    given.add_argument("file", metavar="FILE", nargs="?")
-    given.add_argument("-c", "--config", dest="config_file", metavar="FILE", help="the same, as `run` takes it")
+    given.add_argument("file", metavar="FILE", nargs="?", type=_path)
+    given.add_argument("-c", "--config", dest="config_file", metavar="FILE", type=_path,
+                       help="the same, as `run` takes it")
     check.add_argument("--strict", action="store_true",
                        help="exit 2, too, when `run` could not start with it on this machine (TLS or span "
                             "files it names cannot be used); without it they are warnings")
@@ -117,8 +130,8 @@ def _parser() -> argparse.ArgumentParser:
                           description="Per group: count, p50/p99 of the total and of each hop, each hop's "
                                       "share; the worst calls; last line: the verdict.")
     source = hops.add_mutually_exclusive_group(required=True)
-    source.add_argument("--spans", metavar="FILE.jsonl", help="span file of `tracing.exporter: jsonl`")
-    source.add_argument("--jaeger", metavar="URL", help="Jaeger query API, e.g. http://127.0.0.1:16686")
+    source.add_argument("--spans", metavar="FILE.jsonl", type=_path, help="span file of `tracing.exporter: jsonl`")
+    source.add_argument("--jaeger", metavar="URL", type=_nonempty("a URL"), help="Jaeger query API, e.g. http://127.0.0.1:16686")
     hops.add_argument("--service", metavar="NAME", help="with --jaeger: the sidecar's tracing.service_name")
     hops.add_argument("--method", metavar="M", help="only this method (`get_users`, `Svc/get_*`; globs)")
     hops.add_argument("--by", choices=("method", "endpoint", "client"), default="method",
@@ -170,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "check-config":
-        return _check_config(args.file or args.config_file, args.strict)
+        return _check_config(args.config_file if args.file is None else args.file, args.strict)
     if args.command == "run":
         # SIGHUP's default action ends the process: until the server handles it (once it is
         # up), a reload asked for is noted here (before the server's heavy imports) and done then.
@@ -178,7 +191,7 @@ def _main(argv: list[str] | None) -> int:
         early_hups: list[int] = []
         signal.signal(signal.SIGHUP, lambda signum, frame: early_hups.append(signum))
         from proxy.server import run_from_file
-        return run_from_file(args.file or args.config_file, early_hups)
+        return run_from_file(args.config_file if args.file is None else args.file, early_hups)
     if args.command == "demo":
         from proxy.demo import main as demo_main
         return demo_main(args)

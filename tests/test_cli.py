@@ -50,6 +50,12 @@ def test_run_takes_the_file_as_check_config_does_too_and_demo_modules_run_with_d
     (("hops", "--spans", "x.jsonl", "--limit", "-1"), "argument --limit: must be at least 1"),
     (("demo", "--calls", "0"), "argument --calls: must be at least 1"),
     (("demo-client", "--target", "127.0.0.1:1", "--connections", "x"), "argument --connections: not a whole number"),
+    # an empty path: before, a traceback (run/check-config FILE), ':0: (file)' (-c), or --jaeger blamed (hops)
+    (("run", ""), "argument FILE: empty: give a file's path"),
+    (("check-config", ""), "argument FILE: empty: give a file's path"),
+    (("check-config", "-c", ""), "argument -c/--config: empty: give a file's path"),
+    (("hops", "--spans", ""), "argument --spans: empty: give a file's path"),
+    (("hops", "--jaeger", ""), "argument --jaeger: empty: give a URL"),
 ])
 def test_out_of_range_numbers_are_usage_errors_not_tracebacks(args, says):
     r = _cli(*args)
