@@ -464,8 +464,18 @@ class WeightedCluster(_Model):
     weight: Weight = 1
 
 
+def _match_not_null(value: object) -> object:
+    """`match:` with its tests commented out is YAML null: an error, not the default route (it
+    silently took every call)."""
+    if value is None:
+        raise ValueError("is empty: give method, service or header (leave match out for the default "
+                         "route, which takes every call)")
+    return value
+
+
 class Route(_Model):
-    match: Match | None = None  # None = the default route, matches every call
+    # left out = the default route, matches every call
+    match: Annotated[Match | None, BeforeValidator(_match_not_null)] = None
     cluster: Name | None = None
     weighted: Annotated[tuple[WeightedCluster, ...] | None, BeforeValidator(_not_empty_list)] = None
     strip_service: StrictBool = False
@@ -541,6 +551,17 @@ class Listener(_Model):
         for i, route in enumerate(self.routes[:-1]):
             if route.match is None:
                 raise _At(("routes", i + 1), f"unreachable: routes[{i}] has no match and takes every call")
+        return self
+
+    @model_validator(mode="after")
+    def _headers_need_theader(self) -> Listener:
+        if self.transport in ("framed", "buffered"):
+            for i, route in enumerate(self.routes):
+                if route.match is not None and route.match.header:
+                    raise _At(("routes", i, "match", "header"),
+                              f"a {self.transport} listener's calls carry no headers (THeader's do): this "
+                              f"test could never match{' (inverted: it would take every call)' if route.match.invert else ''}; "
+                              "set the listener's transport to header or auto")
         return self
 
     @property
@@ -797,8 +818,8 @@ class Config(_Model):
 
     def effective(self) -> dict[str, Any]:
         """Every key with its effective value, JSON-able (admin `/config`); loads back as is.
-        Sections left out (admin, a cluster's tls and health_check) stay out: written null, they
-        would be a config error (`_section_not_null`)."""
+        Sections left out (admin, a cluster's tls and health_check, a default route's match) stay
+        out: written null, they would be a config error (`_section_not_null`, `_match_not_null`)."""
         data = self.model_dump(mode="json")
         if data.get("admin") is None:
             data.pop("admin", None)
@@ -806,6 +827,10 @@ class Config(_Model):
             for key in ("tls", "health_check"):
                 if cluster.get(key) is None:
                     cluster.pop(key, None)
+        for listener in data["listeners"]:
+            for route in listener["routes"]:
+                if route.get("match") is None:  # (the default route: no match)
+                    route.pop("match", None)
         return data
 
 

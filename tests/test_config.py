@@ -315,6 +315,14 @@ ENDPOINTS = "[127.0.0.1:9191]"
     (ROUTE, "[{cluster: users, match: {invert: true}}]", [
         "3: listeners[0].routes[0].match: needs method, service or header "
         "(leave match out for the default route)"]),
+    # (a config hunt: both passed before; the first took every call, the second none)
+    (ROUTE, "\n      - match:\n          # method: get_*\n        cluster: users", [
+        "4: listeners[0].routes[0].match: is empty: give method, service or header (leave match out "
+        "for the default route, which takes every call)"]),
+    (ROUTE, "[{cluster: users, match: {header: {x-tenant: canary}, invert: true}}, {cluster: users}]", [
+        "3: listeners[0].routes[0].match.header: a framed listener's calls carry no headers (THeader's "
+        "do): this test could never match (inverted: it would take every call); set the listener's "
+        "transport to header or auto"]),
     (ROUTE, "[{weighted: [{cluster: users, weight: 0}]}]",
      ["3: listeners[0].routes[0].weighted: weights must add up to more than 0"]),
     (ROUTE, "[{timeout: 1s}]", ["3: listeners[0].routes[0].cluster: a route needs cluster or weighted"]),
@@ -408,7 +416,8 @@ def test_a_regex_re2_cannot_take_is_said_at_its_key(regex, why):
 def test_a_regex_python_s_re_threw_on_loads(regex):
     """Python's re threw OverflowError and RecursionError on these (a traceback, exit 1); RE2
     compiles them."""
-    text = MINIMAL.replace(ROUTE, "[{cluster: users, match: {header: {a: {regex: '%s'}}}}]" % regex)
+    text = MINIMAL.replace(ROUTE, "[{cluster: users, match: {header: {a: {regex: '%s'}}}}]" % regex).replace(
+        "    routes:", "    transport: header\n    routes:")
     (route,) = loads(text, "x.yaml").listeners[0].routes
     assert route.match.header["a"].regex == regex
 

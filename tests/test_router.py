@@ -36,6 +36,7 @@ def router_from(routes_yaml: str, seed: int = 1) -> Router:
 listeners:
   - name: l
     listen: 127.0.0.1:0
+    transport: auto  # (header matches need THeader calls: header or auto)
     routes:
 {routes_yaml}
 clusters:
