@@ -377,6 +377,14 @@ def _method_glob(value: str) -> str:
     return value
 
 
+def _oneway_name(value: str) -> str:
+    if any(c in value for c in "*?["):
+        raise ValueError(f"exact method names only, not globs ('{value}'): a glob that caught a method "
+                         "with a reply would leave its clients waiting; list each, or give the listener "
+                         "its idl (which says which methods are oneway)")
+    return value
+
+
 def _exception_ref(value: object) -> object:
     if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 32767:
         return value
@@ -524,7 +532,7 @@ class Listener(_Model):
     # always may be open, however large
     max_inflight: Annotated[int, Strict(), Field(ge=1, le=100_000)] = 128
     max_inflight_bytes: Annotated[Size, Field(ge=1)] = 16 * 1024 * 1024
-    oneway_methods: tuple[Text, ...] = ()
+    oneway_methods: tuple[Annotated[Text, AfterValidator(_oneway_name)], ...] = ()
     routes: Annotated[tuple[Route, ...], BeforeValidator(_not_empty_list)]  # first match wins
 
     @model_validator(mode="before")

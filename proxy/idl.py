@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import errno
+import fnmatch
 import io
 import os
 import re
@@ -269,6 +270,8 @@ def listener_problems(i: int, listener: Any) -> list[tuple[tuple[str | int, ...]
         return [(("listeners", i, "idl"), str(e))]
     declared = (sorted({n for ids in idl.exception_ids().values() for n in ids})
                 if idl is not None else [])
+    if idl is not None:
+        problems += _method_problems(i, listener, idl)
     for j, route in enumerate(listener.routes):
         for k, ref in enumerate(route.retry.on_exceptions):
             if not isinstance(ref, str):
@@ -281,4 +284,36 @@ def listener_problems(i: int, listener: Any) -> list[tuple[tuple[str | int, ...]
                 hint = difflib.get_close_matches(ref, declared, n=1)
                 problems.append((loc, f"no method in {idl.path.name} declares exception '{ref}'"
                                       + (f" (did you mean '{hint[0]}'?)" if hint else "")))
+    return problems
+
+
+def _method_problems(i: int, listener: Any, idl: Idl) -> list[tuple[tuple[str | int, ...], str]]:
+    """Method names a listener with an IDL names that its IDL does not declare (a typo: the
+    route or retry rule would never apply), and `oneway_methods` the IDL declares with a reply
+    (their replies would be dropped, their clients left waiting)."""
+    problems: list[tuple[tuple[str | int, ...], str]] = []
+    names = sorted(idl.method_names())
+    replying = {m.name for _, m in idl.methods() if not m.oneway} | {
+        f"{s}:{m.name}" for s, m in idl.methods() if not m.oneway}
+
+    def unknown(loc: tuple[str | int, ...], what: str, pattern: str) -> None:
+        rx = re.compile(fnmatch.translate(pattern))
+        if not any(rx.match(n) for n in names):
+            hint = difflib.get_close_matches(pattern, names, n=1)
+            problems.append((loc, f"{what} '{pattern}' matches no method of {idl.path.name}"
+                                  + (f" (did you mean '{hint[0]}'?)" if hint else "")))
+
+    for k, name in enumerate(listener.oneway_methods):
+        loc = ("listeners", i, "oneway_methods", k)
+        if name in replying:
+            problems.append((loc, f"'{name}' is not oneway in {idl.path.name}: its replies would be dropped "
+                                  "and its clients left waiting (the idl's oneway methods need no listing)"))
+        elif name not in idl.known_methods():
+            unknown(loc, "method", name)
+    for j, route in enumerate(listener.routes):
+        if route.match is not None and route.match.method is not None:
+            unknown(("listeners", i, "routes", j, "match", "method"), "method", route.match.method)
+        if not isinstance(route.retry.idempotent, bool):
+            for k, glob in enumerate(route.retry.idempotent):
+                unknown(("listeners", i, "routes", j, "retry", "idempotent", k), "method", glob)
     return problems

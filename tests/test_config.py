@@ -58,7 +58,7 @@ def test_example_values_are_read():
     assert (users.name, users.service) == ("users", "UserService")
     assert users.listen == Address("127.0.0.1", 9090)
     assert users.idl == EXAMPLES / "user_service.thrift"  # relative to the config file
-    assert users.oneway_methods == ("log_event",)
+    assert users.oneway_methods == ()
     get, canary, not_admin, default = users.routes
     assert get.match.method == "get_*" and get.timeout == 2.0 and get.slow_call == 0.1
     assert get.retry.attempts == 3 and get.retry.idempotent is True

@@ -252,6 +252,46 @@ def test_config_problems_names_without_idl_unknown_names_and_broken_idls(tmp_pat
     assert where == ("listeners", 0, "idl") and message.startswith(f"{tmp_path / 'bad.thrift'}:3: syntax error")
 
 
+def test_method_names_the_idl_does_not_declare_and_oneway_methods_it_replies_to_are_problems():
+    """A config hunt: with an idl, `oneway_methods: [lookup]` (a method with a reply: every
+    lookup hung, its reply dropped), `match: {method: lokup}` and `idempotent: [lookp]` (typos:
+    never applied) all passed check-config. Globs that match an IDL method pass."""
+    base = config_text(["127.0.0.1:1"]).replace("    protocol: binary", f"    protocol: binary\n    idl: {IDL}")
+    text = base.replace("    routes:\n      - cluster: up", """    oneway_methods: [lookup, log_event, TestService:lookup, log_evnt]
+    routes:
+      - match: {method: lokup}
+        cluster: up
+      - match: {method: "zz_*"}
+        cluster: up
+      - match: {method: "[lp]*"}
+        cluster: up
+      - cluster: up
+        retry: {attempts: 2, idempotent: [lookp, "e*"]}""")
+    problems = config_problems(cfgmod.Config.model_validate(yaml_load(text)))
+    one = ("listeners", 0, "oneway_methods")
+    not_oneway = ("is not oneway in sidecar_test.thrift: its replies would be dropped and its clients left "
+                  "waiting (the idl's oneway methods need no listing)")
+    assert problems == [
+        ((*one, 0), f"'lookup' {not_oneway}"),
+        ((*one, 2), f"'TestService:lookup' {not_oneway}"),
+        ((*one, 3), "method 'log_evnt' matches no method of sidecar_test.thrift (did you mean 'log_event'?)"),
+        (("listeners", 0, "routes", 0, "match", "method"),
+         "method 'lokup' matches no method of sidecar_test.thrift (did you mean 'lookup'?)"),
+        (("listeners", 0, "routes", 1, "match", "method"), "method 'zz_*' matches no method of sidecar_test.thrift"),
+        (("listeners", 0, "routes", 3, "retry", "idempotent", 0),
+         "method 'lookp' matches no method of sidecar_test.thrift (did you mean 'lookup'?)"),
+    ], problems
+
+
+def test_oneway_methods_are_exact_names_not_globs():
+    with pytest.raises(cfgmod.ConfigError) as info:
+        _loads(config_text(["127.0.0.1:1"]).replace("    routes:", "    oneway_methods: ['log_*']\n    routes:"))
+    assert info.value.errors == [
+        f"{CONFIG_NAME}:8: listeners[0].oneway_methods[0]: exact method names only, not globs ('log_*'): a glob "
+        "that caught a method with a reply would leave its clients waiting; list each, or give the "
+        "listener its idl (which says which methods are oneway)"]
+
+
 def yaml_load(text: str):
     import yaml
     return yaml.safe_load(text)
