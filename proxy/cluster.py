@@ -159,6 +159,11 @@ class Cluster:
         return (f"no endpoint available in cluster '{self.name}': {len(eps)} endpoint(s), "
                 f"{ejected} ejected (breaker open), {unhealthy} failing health checks{waiting}")
 
+    def tls_name(self, host: str) -> str:
+        """The name TLS sends (SNI) and checks the certificate against: `tls.server_name`, else the
+        endpoint's host, without the trailing dot of a fully qualified name (SNI never has one)."""
+        return (self.server_name or host).rstrip(".")
+
     def renew_tls(self, ssl: ssl_mod.SSLContext) -> None:
         """A reload read this cluster's TLS files again: new connections use `ssl` (open ones
         keep the session they have)."""
@@ -173,7 +178,7 @@ class Cluster:
         if pool is None:
             pool = endpoint.pools[key] = Pool(
                 self.loop, endpoint.host, endpoint.port, framing, protocol, self.pool_settings,
-                ssl=self.ssl, server_hostname=self.server_name or endpoint.host)
+                ssl=self.ssl, server_hostname=self.tls_name(endpoint.host))
             pool.on_connect_start, pool.on_connect_end, pool.on_refused = _connect_hooks(endpoint)
         return pool
 

@@ -168,7 +168,7 @@ class HealthChecker:
     def _check(self, ep):
         self._seqid = self._seqid % 0x7FFFFFFF + 1  # (1 .. 2**31-1: an i32 on the wire, never 0)
         return check_once(ep.host, ep.port, self.method, self.cluster.framing, self.cluster.protocol,
-                          self.timeout, self._seqid, self.cluster.ssl, self.cluster.server_name or ep.host)
+                          self.timeout, self._seqid, self.cluster.ssl, self.cluster.tls_name(ep.host))
 
     async def _checked(self, ep):
         """One check's result for `_record`: None, a reason, or what the check raised (a bug in

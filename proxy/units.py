@@ -45,7 +45,7 @@ _BINARY_UNITS = (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
 
 # dot-separated labels of 1-63 characters (no empty label: `a..b` cannot be encoded for a lookup)
 _LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
-_HOSTNAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
+_HOSTNAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")  # (a trailing dot: fully qualified, no search path)
 _DOTTED_NUMBERS = re.compile(r"[0-9.]+")  # what can only be meant as an IPv4 address
 
 
@@ -155,6 +155,9 @@ def parse_address(value: object, *, allow_port_zero: bool = False) -> Address:
     if not isinstance(value, str):
         raise ValueError(ADDRESS_RULE)
     text = value.strip()
+    scheme, sep, rest = text.partition("://")
+    if sep and scheme.isalpha():
+        raise ValueError(f"must be host:port, not a URL: write {rest.rstrip('/') or 'host:port'}")
     if text.startswith("["):
         host, sep, port_text = text[1:].partition("]:")
         if not sep:
@@ -169,7 +172,7 @@ def parse_address(value: object, *, allow_port_zero: bool = False) -> Address:
             raise ValueError(ADDRESS_RULE)
         if ":" in host:
             raise ValueError("write IPv6 addresses in brackets, like [::1]:9090")
-        if not _HOSTNAME.fullmatch(host) or len(host) > 253:
+        if not _HOSTNAME.fullmatch(host) or len(host.rstrip(".")) > 253:
             raise ValueError(f"'{host}' is not a host name or IP address")
         if _DOTTED_NUMBERS.fullmatch(host):  # (a top-level domain is never all digits)
             try:

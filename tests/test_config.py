@@ -611,6 +611,8 @@ def test_format_size_parses_back_exactly(size):
     ("127.0.0.1:9090", False, Address("127.0.0.1", 9090)),
     ("[::1]:9090", False, Address("::1", 9090)),
     ("users.internal:1", False, Address("users.internal", 1)),
+    # fully qualified (Kubernetes users write the dot to skip the search path; refused before)
+    ("users.default.svc.cluster.local.:1", False, Address("users.default.svc.cluster.local.", 1)),
     ("0.0.0.0:0", True, Address("0.0.0.0", 0)),
 ])
 def test_parse_address(text, zero, address):
@@ -631,6 +633,10 @@ def test_parse_address(text, zero, address):
     ("bad host:9090", False, "'bad host' is not a host name or IP address"),
     ("256.1.1.1:9090", False, "'256.1.1.1' is not an IPv4 address"),
     ("10.0.0:9090", False, "'10.0.0' is not an IPv4 address"),
+    ("users..internal:9090", False, "'users..internal' is not a host name or IP address"),
+    # (before: "write IPv6 addresses in brackets")
+    ("tcp://127.0.0.1:9090", False, "must be host:port, not a URL: write 127.0.0.1:9090"),
+    ("http://users:9090/", False, "must be host:port, not a URL: write users:9090"),
 ])
 def test_parse_address_rejects(text, zero, message):
     with pytest.raises(ValueError) as info:

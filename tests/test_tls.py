@@ -124,7 +124,8 @@ def tls_yaml(**kw) -> str:
     return f"\n    tls: {{{items}}}\n    connect_timeout: 2s"
 
 
-@pytest.mark.parametrize("server_name", ["users.internal", None], ids=["sni-name", "ip-address"])
+@pytest.mark.parametrize("server_name", ["users.internal", "users.internal.", None],
+                         ids=["sni-name", "fully-qualified", "ip-address"])  # (SNI is sent without the dot)
 def test_calls_over_tls(pki, server_name):
     up = TlsThriftServer(server_ctx(pki, require_client_cert=False), name="tls-up")
     kw = {"ca": pki / "ca.pem"}
