@@ -577,6 +577,11 @@ class Server:
             old_clusters, old_cfg = self.clusters, self._cluster_cfg
             slots: list[_Slot] = []
             try:
+                if config.tracing != self.config.tracing and self._own_telemetry:
+                    # (a restart's setting, but one `run` would refuse: refused now, not at the restart)
+                    for problem in start_problems(config):
+                        if problem.loc[0] == "tracing":
+                            raise problem
                 try:
                     fresh, retired, renewed = self._build_clusters(config)
                 except TlsError as e:

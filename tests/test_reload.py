@@ -317,6 +317,25 @@ def test_a_rebuilt_cluster_keeps_its_endpoints_breakers_and_latency():
         up.stop()
 
 
+def test_a_reload_with_a_span_file_run_could_not_open_is_rejected(caplog, tmp_path):
+    """Tracing settings take effect at the next restart, but one `run` would refuse (a span file
+    that cannot be opened) is refused by the reload, as `run` says it. Before: applied with a
+    warning, and the next restart failed (a config hunt)."""
+    up = ThriftServer()
+    (port,) = free_ports(1)
+    try:
+        with Proxy(_one_listener("test", port, up.address)) as p:
+            bad = _one_listener("test", port, up.address, top=f"tracing: {{exporter: jsonl, path: '{tmp_path}'}}")
+            assert not _apply(p, bad)
+            assert f"reload rejected: <config>:1: tracing.path: cannot open {tmp_path}: Is a directory" in caplog.text
+            good = bad.replace(f"path: '{tmp_path}'", f"path: '{tmp_path / 'spans.jsonl'}'")
+            assert _apply(p, good)
+            assert "tracing settings changed: they take effect at the next restart" in caplog.text
+            assert p.server.reloads == {"ok": 1, "failed": 1}
+    finally:
+        up.stop()
+
+
 def test_reload_moving_a_listener_to_a_port_in_use_keeps_the_old_one(caplog):
     """...and says why as `run` would at start: the key path and the reason (FILE:LINE in a
     process that has a config file; `<config>:1` here), naming this proxy's own listener when
