@@ -233,8 +233,23 @@ def _check_config(path: str, strict: bool = False) -> int:
               file=sys.stderr)
     for i, c in enumerate(cfg.clusters):  # allowed (file discovery waits for it), but maybe a mistake
         f = c.endpoints.file
-        if f is not None and not Path(f).exists():
-            said = StartError(("clusters", i, "endpoints", "file"),
-                              f"{f} does not exist (yet): cluster '{c.name}' has no endpoints until it does")
+        if f is None:
+            continue
+        loc = ("clusters", i, "endpoints", "file")
+        if not Path(f).exists():
+            said = StartError(loc, f"{f} does not exist (yet): cluster '{c.name}' has no endpoints until it does")
+            print(f"warning: {said.line(path)}", file=sys.stderr)
+            continue
+        from proxy.config import load_endpoints_text
+        from proxy.discovery import read_endpoints_file
+        try:
+            load_endpoints_text(read_endpoints_file(Path(f)).decode("utf-8"), str(f))
+        except ConfigError as e:  # (`run` starts, and keeps the file's last good set: none yet)
+            said = StartError(loc, f"cluster '{c.name}' has no endpoints until {f} is fixed:")
+            for line in [said.line(path), *e.errors]:
+                print(f"warning: {line}", file=sys.stderr)
+        except (OSError, ValueError) as e:  # (UnicodeDecodeError is a ValueError)
+            said = StartError(loc, f"cannot read {f}: {getattr(e, 'strerror', None) or e}: cluster "
+                                   f"'{c.name}' has no endpoints until it can be")
             print(f"warning: {said.line(path)}", file=sys.stderr)
     return 0

@@ -1004,10 +1004,10 @@ def load(path: str | Path, again: bool = False) -> Config:
     return loads(text, filename)
 
 
-def loads(text: str, filename: str = "<string>") -> Config:
-    """Validate config text; relative file paths in it resolve against `filename`'s folder."""
+def _parse(text: str, filename: str) -> tuple[Any, dict[Loc, int], list[tuple[Loc, str]]]:
+    """`_read_yaml`, with YAML's own errors raised as ConfigError lines (`FILE:LINE: (root): ...`)."""
     try:
-        data, lines, problems = _read_yaml(text)
+        return _read_yaml(text)
     except yaml.reader.ReaderError as e:  # (a character YAML does not allow; no mark, a position)
         line = text.count("\n", 0, e.position) + 1
         char = e.character if isinstance(e.character, int) else ord(e.character)
@@ -1023,6 +1023,11 @@ def loads(text: str, filename: str = "<string>") -> Config:
         raise ConfigError([f"{filename}:{line}: (root): invalid YAML: {problem}"]) from None
     except RecursionError:  # (the YAML parser recurses per level of nesting)
         raise ConfigError([f"{filename}:1: (root): invalid YAML: nested too deeply"]) from None
+
+
+def loads(text: str, filename: str = "<string>") -> Config:
+    """Validate config text; relative file paths in it resolve against `filename`'s folder."""
+    data, lines, problems = _parse(text, filename)
     if data is None:
         raise ConfigError([f"{filename}:1: (root): the file has no config in it"])
     config = None
@@ -1041,6 +1046,27 @@ def loads(text: str, filename: str = "<string>") -> Config:
         raise ConfigError(_error_lines(filename, data, lines, problems))
     assert config is not None
     return config
+
+
+def load_endpoints_text(text: str, filename: str) -> tuple[Endpoint, ...]:
+    """An endpoints file (`endpoints: {file: ...}`): a YAML list of host:port or {address:
+    host:port, weight: N}, by the rules of a config's endpoint list. ConfigError with every
+    problem said as config errors are: `FILE:LINE: [i].key: rule`."""
+    data, lines, problems = _parse(text, filename)
+    if data is None:
+        raise ConfigError([f"{filename}:1: (root): no endpoints (the file is empty)"])
+    if not isinstance(data, list):
+        raise ConfigError([f"{filename}:1: (root): must be a YAML list of host:port or "
+                           "{address: host:port, weight: N}"])
+    endpoints = None
+    try:
+        endpoints = Endpoints.model_validate(data)
+    except ValidationError as e:
+        problems += _problems_from(e, Endpoints)
+    if problems:
+        raise ConfigError(_error_lines(filename, data, lines, problems))
+    assert endpoints is not None and endpoints.static is not None
+    return endpoints.static
 
 
 def line_of_key(path: str | Path, loc: Loc) -> int:

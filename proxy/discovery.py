@@ -312,42 +312,15 @@ def file_signature(path: Path) -> tuple | None:
     return (real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def parse_endpoints_file(text: str) -> list[Spec]:
-    """A YAML list of `host:port` or `{address: host:port, weight: N}`; raises ValueError."""
-    try:  # (not libyaml's CSafeLoader, 8x faster: 100,000 nested lists crash it, a segfault)
-        data = yaml.load(text, Loader=cfgmod.Yaml12Loader)  # (010 is 10 there too, as in the config)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ValueError(f"not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
-    except RecursionError:  # (the YAML parser recurses per level of nesting)
-        raise ValueError("not valid YAML: nested too deeply") from None
-    if data is None:
-        raise ValueError("no endpoints (empty file)")
-    if not isinstance(data, list):
-        raise ValueError("must be a YAML list of host:port or {address: host:port, weight: N}")
-    if not data:
-        raise ValueError("no endpoints (empty list)")
-    out: list[Spec] = []
-    seen: set[tuple[str, int]] = set()
-    for i, item in enumerate(data):
-        bare = isinstance(item, str)
-        if bare:
-            item = {"address": item}
-        if not isinstance(item, dict):
-            raise ValueError(f"[{i}]: must be host:port or {{address: host:port, weight: N}}")
-        try:
-            ep = cfgmod.Endpoint.model_validate(item)
-        except ValidationError as e:
-            err = e.errors()[0]
-            loc = "" if bare else ".".join(str(x) for x in err["loc"])
-            raise ValueError(f"[{i}]{'.' + loc if loc else ''}: {err['msg'].removeprefix('Value error, ')}") from None
-        key = (ep.address.host, ep.address.port)
-        if key in seen:
-            raise ValueError(f"[{i}]: duplicate endpoint {ep.address}")
-        seen.add(key)
-        out.append((ep.address.host, ep.address.port, ep.weight))
-    return out
+def parse_endpoints_file(text: str, filename: str = "<endpoints file>") -> list[Spec]:
+    """A YAML list of `host:port` or `{address: host:port, weight: N}`, by the config's rules
+    (`config.load_endpoints_text`); raises ValueError with every problem, each said as config
+    errors are (`FILE:LINE: [i].key: rule`), joined by "; "."""
+    try:
+        endpoints = cfgmod.load_endpoints_text(text, filename)
+    except cfgmod.ConfigError as e:
+        raise ValueError("; ".join(e.errors)) from None
+    return [(ep.address.host, ep.address.port, ep.weight) for ep in endpoints]
 
 
 def read_endpoints_file(path: Path) -> bytes:
@@ -363,7 +336,7 @@ def read_endpoints_file(path: Path) -> bytes:
 
 
 def _read_and_parse(path: Path) -> list[Spec]:
-    return parse_endpoints_file(read_endpoints_file(path).decode("utf-8"))
+    return parse_endpoints_file(read_endpoints_file(path).decode("utf-8"), str(path))
 
 
 class FileSource(Source):

@@ -141,7 +141,8 @@ def test_run_with_a_file_it_cannot_use_exits_2_with_file_line_error(tmp_path, ex
 def test_check_config_says_every_file_run_could_not_use_and_notes_a_missing_endpoints_file(tmp_path):
     """--strict: two clusters' TLS files (one missing, one not PEM) and a span file in a folder
     that is a file: all said at once, FILE:LINE: key: why, exit 2, nothing created. A missing
-    endpoints file is allowed (file discovery waits for it) but warned of, even with --strict."""
+    endpoints file is allowed (file discovery waits for it) but warned of, even with --strict, as is
+    an invalid one."""
     (tmp_path / "junk.pem").write_text("not a certificate\n")
     (tmp_path / "afile").write_text("")
     cfg = tmp_path / "c.yaml"
@@ -164,6 +165,15 @@ def test_check_config_says_every_file_run_could_not_use_and_notes_a_missing_endp
     assert r.returncode == 0, r.stderr
     assert r.stderr.splitlines() == [f"warning: {cfg}:7: clusters[0].endpoints.file: {tmp_path}/later.yaml does "
                                      "not exist (yet): cluster 'c' has no endpoints until it does"], r.stderr
+    # one that exists is checked: each problem at its line (before: nothing said, exit 0 with no endpoints)
+    (tmp_path / "later.yaml").write_text("- {address: 127.0.0.1:1, wieght: 2}\n- 127.0.0.1:99999\n")
+    r = _cli("check-config", "--strict", str(cfg))
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines() == [
+        f"warning: {cfg}:7: clusters[0].endpoints.file: cluster 'c' has no endpoints until {tmp_path}/later.yaml "
+        "is fixed:",
+        f"warning: {tmp_path}/later.yaml:1: [0].wieght: unknown key (did you mean 'weight'?)",
+        f"warning: {tmp_path}/later.yaml:2: [1]: port must be 1-65535"], r.stderr
 
 
 def test_run_with_an_unresolvable_listen_host_says_why(tmp_path):

@@ -339,18 +339,22 @@ def test_parse_endpoints_file():
     assert parse_endpoints_file("- 10.0.0.1:9090\n- {address: '[::1]:9091', weight: 3}\n") == [
         ("10.0.0.1", 9090, 1), ("::1", 9091, 3)]
     for text, why in [
-        ("", "no endpoints (empty file)"),
-        ("[]", "no endpoints (empty list)"),
-        ("a: 1", "must be a YAML list"),
-        ("- 10.0.0.1:0", "[0]: port must be 1-65535"),
-        ("- {address: 10.0.0.1:1, weight: 0}", "[0].weight: Input should be greater than or equal to 1"),
-        ("- {address: 10.0.0.1:1, wieght: 2}", "[0].wieght: Extra inputs are not permitted"),
-        ("- 10.0.0.1:1\n- 10.0.0.1:1", "[1]: duplicate endpoint 10.0.0.1:1"),
-        ("- [", "not valid YAML at line"),
-        ("- 7", "[0]: must be host:port"),
+        ("", "<endpoints file>:1: (root): no endpoints (the file is empty)"),
+        ("[]", "<endpoints file>:1: (root): needs at least one endpoint"),
+        ("a: 1", "<endpoints file>:1: (root): must be a YAML list"),
+        ("- 10.0.0.1:0", "<endpoints file>:1: [0]: port must be 1-65535"),
+        ("- {address: 10.0.0.1:1, weight: 0}", "<endpoints file>:1: [0].weight: must be at least 1"),
+        # every problem, each at its line, in the config's words (before: the first only, pydantic's
+        # "Extra inputs are not permitted", no line)
+        ("- 10.0.0.1:1\n- {address: 10.0.0.1:2,\n   wieght: 2}\n- 10.0.0.1:99999",
+         "<endpoints file>:3: [1].wieght: unknown key (did you mean 'weight'?); "
+         "<endpoints file>:4: [2]: port must be 1-65535"),
+        ("- 10.0.0.1:1\n- 10.0.0.1:1", "<endpoints file>:2: [1]: duplicate endpoint 10.0.0.1:1"),
+        ("- [", "<endpoints file>:1: (root): invalid YAML"),
+        ("- 7", "<endpoints file>:1: [0]: endpoint must be host:port"),
         # (a RecursionError before: the discovery task died silently, the set frozen)
-        ("[" * 2000 + "]" * 2000, "not valid YAML: nested too deeply"),
-        ("- {address: 10.0.0.1:1, weight: %s}" % ("9" * 400), "[0].weight: Input should be less than or equal to"),
+        ("[" * 2000 + "]" * 2000, "<endpoints file>:1: (root): invalid YAML: nested too deeply"),
+        ("- {address: 10.0.0.1:1, weight: %s}" % ("9" * 400), "<endpoints file>:1: [0].weight: must be"),
     ]:
         with pytest.raises(ValueError) as e:
             parse_endpoints_file(text)
@@ -405,9 +409,9 @@ def test_an_endpoints_file_is_read_and_checked_off_the_loop(tmp_path, monkeypatc
     where: list[str] = []
     real = discmod.parse_endpoints_file
 
-    def parse(text):
+    def parse(*args):
         where.append(threading.current_thread().name)
-        return real(text)
+        return real(*args)
 
     monkeypatch.setattr(discmod, "parse_endpoints_file", parse)
 
@@ -478,9 +482,9 @@ def test_bad_or_missing_file_keeps_the_last_good_set(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="proxy.discovery"):
         asyncio.run(main())
     text = caplog.text
-    assert f"endpoints file {path}: not valid YAML at line 2" in text
-    assert "no endpoints (empty list); keeping the last good set (2 endpoints)" in text
-    assert "[0]: port must be 1-65535" in text
+    assert f"endpoints file {path}: {path}:2: (root): invalid YAML" in text
+    assert f"{path}:1: (root): needs at least one endpoint; keeping the last good set (2 endpoints)" in text
+    assert f"{path}:1: [0]: port must be 1-65535" in text
     assert "missing or unreadable; keeping the last good set" in text
 
 
