@@ -61,9 +61,6 @@ from pathlib import Path
 from time import monotonic
 from typing import Awaitable, Callable, Iterable
 
-import yaml
-from pydantic import ValidationError
-
 from proxy import config as cfgmod
 from proxy.endpoint import Endpoint
 

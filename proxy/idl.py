@@ -296,11 +296,11 @@ def _method_problems(i: int, listener: Any, idl: Idl) -> list[tuple[tuple[str | 
     replying = {m.name for _, m in idl.methods() if not m.oneway} | {
         f"{s}:{m.name}" for s, m in idl.methods() if not m.oneway}
 
-    def unknown(loc: tuple[str | int, ...], what: str, pattern: str) -> None:
-        rx = re.compile(fnmatch.translate(pattern))
+    def unknown(loc: tuple[str | int, ...], pattern: str) -> None:
+        rx = re.compile(fnmatch.translate(pattern))  # (as the router and the retry policy match)
         if not any(rx.match(n) for n in names):
             hint = difflib.get_close_matches(pattern, names, n=1)
-            problems.append((loc, f"{what} '{pattern}' matches no method of {idl.path.name}"
+            problems.append((loc, f"method '{pattern}' matches no method of {idl.path.name}"
                                   + (f" (did you mean '{hint[0]}'?)" if hint else "")))
 
     for k, name in enumerate(listener.oneway_methods):
@@ -309,11 +309,11 @@ def _method_problems(i: int, listener: Any, idl: Idl) -> list[tuple[tuple[str | 
             problems.append((loc, f"'{name}' is not oneway in {idl.path.name}: its replies would be dropped "
                                   "and its clients left waiting (the idl's oneway methods need no listing)"))
         elif name not in idl.known_methods():
-            unknown(loc, "method", name)
+            unknown(loc, name)
     for j, route in enumerate(listener.routes):
         if route.match is not None and route.match.method is not None:
-            unknown(("listeners", i, "routes", j, "match", "method"), "method", route.match.method)
+            unknown(("listeners", i, "routes", j, "match", "method"), route.match.method)
         if not isinstance(route.retry.idempotent, bool):
             for k, glob in enumerate(route.retry.idempotent):
-                unknown(("listeners", i, "routes", j, "retry", "idempotent", k), "method", glob)
+                unknown(("listeners", i, "routes", j, "retry", "idempotent", k), glob)
     return problems
