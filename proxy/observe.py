@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 from time import monotonic_ns
 
+from proxy import spans
 from proxy.logs import MAX_ERROR, MAX_NAME, cut
 from proxy.looplag import LoopLagMonitor
-from proxy import spans
 from proxy.metrics import ServiceMetrics, call_end, call_outcome, failure_type, hop_totals
 from proxy.tracecontext import TRACE_HEADERS
 

@@ -105,12 +105,18 @@ def start_problems(config: cfgmod.Config) -> list[StartError]:
                 client_context(c.tls, c.name)
             except TlsError as e:
                 problems.append(_tls_start_error(config, e))
+    return problems + tracing_problems(config)
+
+
+def tracing_problems(config: cfgmod.Config) -> list[StartError]:
+    """The part of `start_problems` a reload checks on its own (tracing is a restart's setting):
+    a span file that cannot be opened."""
     t = config.tracing
     if t.exporter == "jsonl" and t.path is not None:
         why = _cannot_append(Path(t.path))
         if why:
-            problems.append(StartError(("tracing", "path"), f"cannot open {t.path}: {why}"))
-    return problems
+            return [StartError(("tracing", "path"), f"cannot open {t.path}: {why}")]
+    return []
 
 
 def _cannot_append(path: Path) -> str | None:
@@ -579,9 +585,9 @@ class Server:
             try:
                 if config.tracing != self.config.tracing and self._own_telemetry:
                     # (a restart's setting, but one `run` would refuse: refused now, not at the restart)
-                    for problem in start_problems(config):
-                        if problem.loc[0] == "tracing":
-                            raise problem
+                    problems = tracing_problems(config)
+                    if problems:
+                        raise problems[0]
                 try:
                     fresh, retired, renewed = self._build_clusters(config)
                 except TlsError as e:
